@@ -1,0 +1,19 @@
+"""Exceptions raised by ampdoctor's library API.
+
+The CLI turns :class:`RunError` into a one-line message with exit code 2; nothing here prints.
+"""
+
+
+class AmpdoctorError(Exception):
+    """Base class of every error ampdoctor raises on purpose."""
+
+
+class RunError(AmpdoctorError):
+    """A path that is not a readable ampdoctor run: missing, not Parquet, another tool's Parquet,
+    a newer schema, or no rows at all."""
+
+
+class RecorderError(AmpdoctorError):
+    """Recording failed and the scaler was created with ``strict=True``.
+
+    Without ``strict`` the same failure only warns once and recording stops."""

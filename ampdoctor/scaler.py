@@ -1,0 +1,179 @@
+"""The instrumented GradScaler, and wrap()/unwrap() for a scaler that already exists.
+
+Recording is a mixin over torch's scaler. Each tapped method calls torch's own implementation
+unchanged and observes around it, so the training arithmetic is torch's, bit for bit. ``wrap()``
+swaps the instance's class for a recording subclass of its own class: every holder of the object
+(Accelerate, Lightning, a checkpoint helper) records through the same object, ``isinstance``
+checks keep passing, and no state (scale, growth tracker, per-optimizer stages) is copied or lost.
+
+Synchronisation: no method here adds a host-device sync. ``step()`` keeps torch's one (reading
+``found_inf``); ``wrap()`` reads the current scale once when the scaler has already been used.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import os
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from .recorder import Recorder, RecordOptions
+
+_RECORDER = "_ampdoctor_recorder"
+_STEP_KEY = "ampdoctor.step"
+
+
+class _Recording:
+    """Mixin that records around torch.amp.GradScaler's methods. Not public; see GradScaler/wrap."""
+
+    _ampdoctor_plain_class: type  # what pickling and unwrap() turn the instance back into
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """The active :class:`Recorder`, or None when this scaler is not recording."""
+        return self.__dict__.get(_RECORDER)
+
+    def scale(self, outputs):
+        """As torch: multiply by the scale. Also adds ``outputs`` to the step's loss. No sync."""
+        scaled = super().scale(outputs)
+        rec = self.recorder
+        if rec is not None:
+            rec.observe_loss(outputs)
+        return scaled
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """As torch. First records the statistics of the (still scaled) gradients. No sync."""
+        rec = self.recorder
+        if rec is not None and self._enabled and self._scale is not None:
+            state = self._per_optimizer_states.get(id(optimizer))
+            if state is None or state["stage"] is OptState.READY:  # otherwise torch raises
+                rec.observe_grads(optimizer, self._scale)
+        super().unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        """As torch (one sync, torch's own). Records gradients not yet seen by ``unscale_``:
+        fused optimizers unscale inside their step, and a disabled scaler never unscales."""
+        rec = self.recorder
+        if rec is not None:
+            if not self._enabled:
+                rec.observe_grads(optimizer, None)
+            elif self._scale is not None and "closure" not in kwargs:
+                state = self._per_optimizer_states.get(id(optimizer))
+                if state is None or state["stage"] is OptState.READY:
+                    rec.observe_grads(optimizer, self._scale)
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As torch. Then hands the iteration's record to the writer (non-blocking copies). No sync."""
+        rec = self.recorder
+        scalars = rec.before_update(self) if rec is not None else None
+        super().update(new_scale)
+        if rec is not None:
+            rec.after_update(scalars)
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch, plus ``"ampdoctor.step"`` (ignored by torch's loader) so a resumed run
+        continues its step numbering. Syncs, as torch's does."""
+        state = super().state_dict()
+        rec = self.recorder
+        if state and rec is not None:
+            state[_STEP_KEY] = rec.step
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        rec = self.recorder
+        if rec is not None and _STEP_KEY in state_dict:
+            rec.step = int(state_dict[_STEP_KEY])
+
+    def close(self) -> None:
+        """Flush and finish the run; the scaler keeps working (without recording). Idempotent."""
+        rec = self.__dict__.pop(_RECORDER, None)
+        if rec is not None:
+            rec.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop(_RECORDER, None)  # a copy must not write into the same run
+        return state
+
+    def __reduce_ex__(self, protocol):
+        # Pickle as the plain class for wrapped scalers (their class is made at run time).
+        return copyreg.__newobj__, (type(self)._ampdoctor_plain_class,), self.__getstate__()
+
+
+class GradScaler(_Recording, torch.amp.GradScaler):
+    """Drop-in for :class:`torch.amp.GradScaler` that records a run.
+
+    Positional and keyword arguments are torch's. The keyword-only options are those of
+    :class:`ampdoctor.recorder.RecordOptions` plus ``model`` (for parameter names; without it,
+    parameters are named ``group{g}.param{i}``). An unpickled or deep-copied instance does not
+    record (two writers must not share one run); :func:`wrap` it to record again.
+    """
+
+    _ampdoctor_plain_class = None  # set below: pickles as itself, without its recorder
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
+                 model: torch.nn.Module | None = None, path: str | os.PathLike | None = None,
+                 start_step: int = 0, **options: Any) -> None:
+        record_options = RecordOptions(path=path, **options)  # validate before touching torch state
+        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
+        self.__dict__[_RECORDER] = Recorder(self, model, record_options,
+                                            scaler_class="ampdoctor.GradScaler", start_step=start_step)
+
+
+GradScaler._ampdoctor_plain_class = GradScaler
+
+_recording_classes: dict[type, type] = {}
+
+
+def _recording_class(base: type) -> type:
+    cls = _recording_classes.get(base)
+    if cls is None:
+        cls = type(f"Recording{base.__name__}", (_Recording, base),
+                   {"_ampdoctor_plain_class": base, "__module__": __name__})
+        _recording_classes[base] = cls
+    return cls
+
+
+def wrap(scaler: torch.amp.GradScaler, *, model: torch.nn.Module | None = None,
+         path: str | os.PathLike | None = None, start_step: int = 0, **options: Any):
+    """Instrument ``scaler`` in place and return it (the same object).
+
+    Works on :class:`torch.amp.GradScaler` and its subclasses (``torch.cuda.amp.GradScaler``,
+    FSDP's ``ShardedGradScaler``). Call it between iterations. Reads the current scale once
+    (one sync) when the scaler has already been used. Options as for :class:`GradScaler`.
+    """
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"wrap() expects a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if scaler.__dict__.get(_RECORDER) is not None:
+        raise ValueError("this scaler is already recording; call ampdoctor.unwrap(scaler) first")
+    record_options = RecordOptions(path=path, **options)
+    base = type(scaler)
+    if not isinstance(scaler, _Recording):
+        scaler.__class__ = _recording_class(base)
+    plain = type(scaler)._ampdoctor_plain_class
+    recorder = Recorder(scaler, model, record_options,
+                        scaler_class=f"{plain.__module__}.{plain.__qualname__}", start_step=start_step)
+    scaler.__dict__[_RECORDER] = recorder
+    return scaler
+
+
+def unwrap(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
+    """Finish the run and restore plain behaviour; returns the same object. A wrapped scaler gets
+    its original class back; an :class:`ampdoctor.GradScaler` stops recording. Idempotent."""
+    if isinstance(scaler, _Recording):
+        scaler.close()
+        plain = type(scaler)._ampdoctor_plain_class
+        if type(scaler) is not plain:
+            scaler.__class__ = plain
+    return scaler

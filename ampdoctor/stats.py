@@ -1,0 +1,236 @@
+"""On-device statistics of a list of tensors: one grouped pass, no host-device sync.
+
+For each *slot* (one tensor, or all tensors together when ``per_tensor=False``) it computes, in
+the units of DESIGN.md:
+
+* ``amax``  largest finite magnitude, unscaled (0 when there is none);
+* ``amin``  smallest nonzero finite magnitude, unscaled (NaN when there is none);
+* ``l2``    L2 norm of the finite elements, unscaled (accumulated in float64);
+* ``n_zero, n_subnormal, n_nan, n_inf``; subnormal is judged on the *scaled* value against the
+  smallest normal of the AMP format, i.e. as the value was represented during backward;
+* ``hist``  counts of nonzero finite elements per binade of the unscaled magnitude.
+
+How: tensors of one (device, dtype) group are flattened into chunks of at most ``CHUNK_ELEMENTS``
+elements. Every element gets one integer *code* (its binade, shifted by ``bins`` when subnormal,
+or one of three codes for zero / NaN / inf) and a single scatter-add counts codes per slot, so all
+the counts and the histogram cost one launch per chunk. Magnitudes are compared as IEEE bit
+patterns (order-preserving for non-negative floats), which makes max/min exact and lets NaN/inf
+be told apart without extra passes. Nothing here calls ``.item()``, boolean indexing or any other
+op whose output size depends on data, so on CUDA it queues kernels and returns (no sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .schema import HIST_BINS, HIST_MIN_EXP
+
+CHUNK_ELEMENTS = 1 << 22  # bounds the temporaries: ~20 bytes per element of the chunk
+
+_INF_BITS = 0x7F800000  # float32 +inf; larger (positive) bit patterns are NaN
+_ABS_MASK = 0x7FFFFFFF
+
+
+@dataclass
+class DeviceStats:
+    """Raw per-slot results, still on the device (or the host buffers they were copied into)."""
+
+    counts: torch.Tensor     # int64 [slots * (2 * bins + 3)]: binade codes, see _codes()
+    amax_bits: torch.Tensor  # int32 [slots]: float32 bit pattern of the largest finite magnitude
+    amin_bits: torch.Tensor  # int32 [slots]: bit pattern of the smallest nonzero finite (or +inf)
+    sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values
+    bins: int
+
+    def to_host(self, non_blocking: bool) -> "DeviceStats":
+        """Copy into (pinned, when the source is on an accelerator) host buffers. Does not sync
+        when ``non_blocking``; the caller must wait on an event before reading the result."""
+        if self.counts.device.type == "cpu":
+            return self
+        pin = torch.cuda.is_available()
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            return host.copy_(t, non_blocking=non_blocking)
+
+        return DeviceStats(out(self.counts), out(self.amax_bits), out(self.amin_bits),
+                           out(self.sumsq), self.bins)
+
+
+@dataclass
+class HostStats:
+    """Per-slot statistics as numpy arrays, ready to become run-file columns. Reading a
+    DeviceStats that lives on an accelerator syncs, so only the writer thread builds these."""
+
+    amax: np.ndarray         # float32 [slots]
+    amin: np.ndarray         # float32 [slots], NaN where no nonzero finite element
+    l2: np.ndarray           # float32 [slots]
+    n_zero: np.ndarray       # int64 [slots]
+    n_subnormal: np.ndarray  # int64 [slots]
+    n_nan: np.ndarray        # int64 [slots]
+    n_inf: np.ndarray        # int64 [slots]
+    hist: np.ndarray         # int32 [slots, bins]
+
+    @classmethod
+    def from_device(cls, raw: DeviceStats) -> "HostStats":
+        bins = raw.bins
+        counts = raw.counts.numpy().reshape(-1, 2 * bins + 3)
+        amax = raw.amax_bits.numpy().view(np.float32).copy()
+        amin = raw.amin_bits.numpy().view(np.float32).copy()
+        amin[np.isinf(amin)] = np.nan
+        return cls(
+            amax=amax,
+            amin=amin,
+            l2=np.sqrt(raw.sumsq.numpy()).astype(np.float32),
+            n_zero=counts[:, 2 * bins].copy(),
+            n_subnormal=counts[:, bins:2 * bins].sum(axis=1),
+            n_nan=counts[:, 2 * bins + 1].copy(),
+            n_inf=counts[:, 2 * bins + 2].copy(),
+            hist=(counts[:, :bins] + counts[:, bins:2 * bins]).astype(np.int32),
+        )
+
+    def total(self) -> "HostStats":
+        """All slots combined into one (for step rows)."""
+        finite_min = self.amin[~np.isnan(self.amin)]
+        return HostStats(
+            amax=np.array([self.amax.max(initial=0.0)], dtype=np.float32),
+            amin=np.array([finite_min.min() if finite_min.size else np.nan], dtype=np.float32),
+            l2=np.array([np.sqrt(np.square(self.l2.astype(np.float64)).sum())], dtype=np.float32),
+            n_zero=np.array([self.n_zero.sum()]), n_subnormal=np.array([self.n_subnormal.sum()]),
+            n_nan=np.array([self.n_nan.sum()]), n_inf=np.array([self.n_inf.sum()]),
+            hist=self.hist.sum(axis=0, keepdims=True, dtype=np.int64).astype(np.int32),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["HostStats"]) -> "HostStats":
+        return HostStats(*(np.concatenate([getattr(p, f) for p in parts])
+                           for f in HostStats.__dataclass_fields__))
+
+
+class SlotLayouts:
+    """Caches the small per-chunk index tensors (slot ids and lengths) on the device.
+
+    Building them from Python lists every step would be a pageable host-to-device copy, which
+    synchronises; the layout of a model's gradients rarely changes, so they are built once."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._max_entries = max_entries
+
+    def get(self, device: torch.device, slots: tuple[int, ...], lengths: tuple[int, ...]):
+        key = (device, slots, lengths)
+        hit = self._cache.get(key)
+        if hit is None:
+            if len(self._cache) >= self._max_entries:
+                self._cache.clear()
+            hit = (torch.tensor(slots, dtype=torch.int64, device=device),
+                   torch.tensor(lengths, dtype=torch.int64, device=device))
+            self._cache[key] = hit
+        return hit
+
+
+_DEFAULT_LAYOUTS = SlotLayouts()
+
+
+def tensor_stats(
+    tensors: Sequence[torch.Tensor],
+    *,
+    inv_scale: torch.Tensor | None,
+    subnormal_below: float,
+    per_tensor: bool = True,
+    hist_min_exp: int = HIST_MIN_EXP,
+    hist_bins: int = HIST_BINS,
+    layouts: SlotLayouts | None = None,
+) -> DeviceStats:
+    """Statistics of ``tensors`` (one device, one dtype; they hold *scaled* values).
+
+    ``inv_scale`` is the 0-dim float32 reciprocal of the loss scale on the same device (None when
+    scaling is off); ``subnormal_below`` is the AMP format's smallest normal. Does not sync.
+    """
+    if not tensors:
+        raise ValueError("tensor_stats needs at least one tensor")
+    device = tensors[0].device
+    layouts = layouts or _DEFAULT_LAYOUTS
+    n_slots = len(tensors) if per_tensor else 1
+    stride = 2 * hist_bins + 3
+    counts = torch.zeros(n_slots * stride, dtype=torch.int64, device=device)
+    amax_bits = torch.zeros(n_slots, dtype=torch.int32, device=device)
+    amin_bits = torch.full((n_slots,), _INF_BITS, dtype=torch.int32, device=device)
+    sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
+
+    for pieces in _chunks(tensors, per_tensor):
+        slots = tuple(s for s, _ in pieces)
+        views = [v for _, v in pieces]
+        flat = views[0] if len(views) == 1 else torch.cat(views)
+        if len(set(slots)) == 1:
+            seg = None  # one slot: plain reductions, no index tensor
+            slot = slots[0]
+        else:
+            slot_ids, lengths = layouts.get(device, slots, tuple(v.numel() for v in views))
+            seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
+        _accumulate(flat, seg, slot if seg is None else 0, inv_scale, subnormal_below,
+                    hist_min_exp, hist_bins, counts, amax_bits, amin_bits, sumsq)
+    return DeviceStats(counts, amax_bits, amin_bits, sumsq, hist_bins)
+
+
+def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
+    """Yield lists of (slot, 1-D view) whose sizes add up to at most CHUNK_ELEMENTS; a tensor
+    larger than a chunk is split into several views of the same slot."""
+    pending: list[tuple[int, torch.Tensor]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        flat = t.detach().reshape(-1)
+        slot = i if per_tensor else 0
+        for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+            piece = flat[start:start + CHUNK_ELEMENTS]
+            if size + piece.numel() > CHUNK_ELEMENTS and pending:
+                yield pending
+                pending, size = [], 0
+            pending.append((slot, piece))
+            size += piece.numel()
+    if pending:
+        yield pending
+
+
+def _accumulate(flat, seg, slot, inv_scale, subnormal_below, min_exp, bins,
+                counts, amax_bits, amin_bits, sumsq) -> None:
+    stride = 2 * bins + 3
+    scaled_abs = flat.abs()
+    unscaled = scaled_abs.float() if scaled_abs.dtype != torch.float32 else scaled_abs
+    if inv_scale is not None:
+        unscaled = unscaled * inv_scale  # the same fp32 product torch's unscale_ computes
+    bits = unscaled.view(torch.int32) & _ABS_MASK  # abs() may keep the sign of -NaN
+    finite = bits < _INF_BITS
+
+    # Binade of the unscaled value from its exponent field. float32 subnormals (exponent field
+    # 0) land in bin 0 with the other tiny values, which the clamp puts there anyway.
+    code = ((bits >> 23) - (127 + min_exp)).clamp_(0, bins - 1)
+    code += (scaled_abs < subnormal_below).to(torch.int32) * bins
+    code = torch.where(finite, code, (2 * bins + 1) + (bits == _INF_BITS).to(torch.int32))
+    code = torch.where(bits == 0, 2 * bins, code)
+
+    finite_bits = torch.where(finite, bits, 0)
+    nonzero_bits = torch.where(finite & (bits != 0), bits, _INF_BITS)
+    square = torch.where(finite, unscaled, 0).double().square()
+
+    if seg is None:
+        counts[slot * stride:(slot + 1) * stride] += _bincount(code.long(), stride)
+        amax_bits[slot] = torch.maximum(amax_bits[slot], finite_bits.max())
+        amin_bits[slot] = torch.minimum(amin_bits[slot], nonzero_bits.min())
+        sumsq[slot] += square.sum()
+    else:
+        counts += _bincount(seg * stride + code, counts.numel())
+        amax_bits.scatter_reduce_(0, seg, finite_bits, "amax")
+        amin_bits.scatter_reduce_(0, seg, nonzero_bits, "amin")
+        sumsq.index_add_(0, seg, square)
+
+
+def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
+    if index.device.type == "cpu":
+        return torch.bincount(index, minlength=length)
+    # torch.bincount sizes its output from the data (a sync); a fixed-size scatter does not.
+    out = torch.zeros(length, dtype=torch.int64, device=index.device)
+    return out.index_add_(0, index, torch.ones(1, dtype=torch.int64, device=index.device).expand_as(index))

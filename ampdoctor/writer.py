@@ -1,0 +1,230 @@
+"""Background writer: step records → Arrow → closed Parquet segment files.
+
+One :class:`RunWriter` per recording process and rank. The training thread only ``put()``s records
+into a bounded queue; a daemon thread waits for each record's copy event, turns it into rows and
+writes a segment (temporary ``.name``, then an atomic rename) every ``flush_every`` steps,
+every ``flush_seconds``, at once after an anomaly (a skipped step or a non-finite loss), and on
+``close()``. So host memory is bounded by ``queue_size`` records plus one segment's rows, and a
+killed process loses at most the steps since the last segment.
+
+A failure in the worker (disk full, permission denied, a bug of ours) is kept, warned about once,
+and recording stops: later records are dropped. ``error`` hands the exception to the caller,
+which raises it only when the user asked for ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
+
+_CLOSE = object()   # shutdown sentinel
+_FLUSH = object()   # "write what you have now"
+
+_open_writers: set["RunWriter"] = set()
+_open_lock = threading.Lock()
+
+
+@dataclass
+class Columns:
+    """Rows in column form, as the writer accumulates them between segments."""
+
+    data: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    rows: int = 0
+
+    def append(self, block: dict[str, np.ndarray], n: int) -> None:
+        for key, values in block.items():
+            self.data.setdefault(key, []).append(values)
+        self.rows += n
+
+    def to_table(self, schema: pa.Schema) -> pa.Table:
+        arrays = []
+        for f in schema:
+            parts = self.data.get(f.name, [])
+            if f.name == "hist":
+                arrays.append(_hist_array(parts, f.type))
+            elif pa.types.is_dictionary(f.type):
+                values = np.concatenate(parts) if parts else np.array([], dtype=object)
+                arrays.append(pa.array(values, type=pa.string()).dictionary_encode())
+            else:
+                values = np.concatenate(parts) if parts else np.array([])
+                mask = None
+                if f.nullable and values.dtype == object:
+                    mask = np.array([v is None for v in values], dtype=bool)
+                    values = np.array([0 if v is None else v for v in values])
+                arrays.append(pa.array(values, type=f.type, mask=mask))
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _hist_array(parts: list[np.ndarray], type_: pa.FixedSizeListType) -> pa.Array:
+    """``parts`` are 2-D int32 blocks, or 1-D object blocks of None for rows without a histogram."""
+    bins = type_.list_size
+    flat, valid = [], []
+    for block in parts:
+        if block.ndim == 2:
+            flat.append(block.reshape(-1))
+            valid.append(np.ones(len(block), dtype=bool))
+        else:
+            flat.append(np.zeros(len(block) * bins, dtype=np.int32))
+            valid.append(np.zeros(len(block), dtype=bool))
+    values = pa.array(np.concatenate(flat) if flat else np.array([], np.int32), type=pa.int32())
+    mask = pa.array(~np.concatenate(valid)) if valid else None
+    return pa.FixedSizeListArray.from_arrays(values, bins, mask=mask)
+
+
+class RunWriter:
+    """Writes one process's rows of a run into the run directory ``path``.
+
+    ``materialize(record)`` runs on the worker thread and returns ``(columns, n_rows, anomaly)``;
+    it is where device results are waited for and read. Nothing here syncs the training thread.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        metadata: Callable[[], dict[str, str]],
+        materialize: Callable[[Any], tuple[dict[str, np.ndarray], int, bool]],
+        rank: int = 0,
+        hist_bins: int,
+        flush_every: int = 1000,
+        flush_seconds: float = 60.0,
+        queue_size: int = 256,
+        name: str = "ampdoctor-writer",
+    ) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.writer_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._metadata = metadata
+        self._materialize = materialize
+        self._hist_bins = hist_bins
+        self._flush_every = flush_every
+        self._flush_seconds = flush_seconds
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._pending = Columns()
+        self._segment = 0
+        self._last_flush = time.monotonic()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.rows_written = 0
+        self.bytes_written = 0
+        # Daemon: a non-daemon thread would be joined before atexit handlers run, i.e. forever.
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+        with _open_lock:
+            _open_writers.add(self)
+
+    # -- training-thread side -------------------------------------------------------------
+    @property
+    def error(self) -> BaseException | None:
+        """The worker's failure, if any (recording has stopped then)."""
+        return self._error
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def put(self, record: Any) -> bool:
+        """Queue a record; blocks only while the queue is full. False if recording has stopped."""
+        if self._closed or self._error is not None:
+            return False
+        self._queue.put(record)
+        return True
+
+    def flush(self) -> None:
+        """Ask the worker to write a segment with what it has (does not wait)."""
+        if not self._closed and self._error is None:
+            self._queue.put(_FLUSH)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write the last segment and stop the worker. Idempotent; waits for the worker."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(_CLOSE)
+        self._thread.join(timeout)
+        with _open_lock:
+            _open_writers.discard(self)
+
+    # -- worker side ----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            timeout = max(0.05, self._flush_seconds - (time.monotonic() - self._last_flush))
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = _FLUSH if self._pending.rows else None
+            if item is _CLOSE:
+                self._guarded(lambda: self._write_segment(final=True))
+                return
+            if self._error is not None or item is None:
+                continue  # failed: drain and drop until the sentinel
+            if item is _FLUSH:
+                self._guarded(lambda: self._write_segment(final=False))
+                continue
+            self._guarded(lambda: self._add(item))
+
+    def _guarded(self, action: Callable[[], None]) -> None:
+        if self._error is not None:
+            return
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - every failure must stop recording, not training
+            self._error = exc
+            self._pending = Columns()
+            warnings.warn(
+                f"ampdoctor: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
+                "training continues unaffected", RuntimeWarning, stacklevel=2)
+
+    def _add(self, record: Any) -> None:
+        block, n, anomaly = self._materialize(record)
+        self._pending.append(block, n)
+        due = (self._pending.rows and (
+            anomaly or len(self._pending.data.get("step", ())) >= self._flush_every
+            or time.monotonic() - self._last_flush >= self._flush_seconds))
+        if due:
+            self._write_segment(final=False)
+
+    def _write_segment(self, *, final: bool) -> None:
+        self._last_flush = time.monotonic()
+        if not self._pending.rows and not final:
+            return
+        metadata = dict(self._metadata())
+        metadata.update({META_WRITER: self.writer_id, META_SEGMENT: str(self._segment),
+                         META_FINAL: "true" if final else "false", META_RANK: str(self.rank)})
+        table = self._pending.to_table(run_schema(self._hist_bins, metadata))
+        self.path.mkdir(parents=True, exist_ok=True)
+        name = f"part-r{self.rank:05d}-{self.writer_id}-{self._segment:06d}.parquet"
+        tmp = self.path / f".{name}.tmp"
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, self.path / name)  # atomic: readers see whole segments only
+        self.bytes_written += (self.path / name).stat().st_size
+        self.rows_written += table.num_rows
+        self._segment += 1
+        self._pending = Columns()
+
+
+def close_all_writers() -> None:
+    """Close every open writer (at interpreter exit and on SIGTERM)."""
+    with _open_lock:
+        writers = list(_open_writers)
+    for w in writers:
+        w.close(timeout=30)
+
+
+atexit.register(close_all_writers)
