@@ -119,7 +119,7 @@ class Recorder:
         self._groups: list[GroupRecord] = []
         self._loss: torch.Tensor | None = None
         self._layouts = SlotLayouts()
-        self._warned = False
+        self._reported = False  # a failure has been warned about (or raised)
         self._sniff_handle = None
         self._amp_dtype = dtype_name(options.amp_dtype) if options.amp_dtype is not None else None
         self.rank, self.world_size = _rank_and_world(options.rank)
@@ -146,14 +146,14 @@ class Recorder:
 
     # -- lifecycle -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
-        """Stop recording after ``exc``; raise it only in strict mode."""
+        """Stop recording after ``exc``: warn once, or raise in strict mode."""
         self.active = False
         self._remove_hooks()
         self.writer.close()
+        first, self._reported = not self._reported, True
         if self.options.strict:
             raise RecorderError(f"ampdoctor recording failed: {type(exc).__name__}: {exc}") from exc
-        if not self._warned:
-            self._warned = True
+        if first:
             warnings.warn(f"ampdoctor: recording to {self.path} stopped ({type(exc).__name__}: "
                           f"{exc}); training continues unaffected", RuntimeWarning, stacklevel=4)
 
@@ -162,8 +162,8 @@ class Recorder:
         self._remove_hooks()
         self.active = False
         self.writer.close()
-        if self.options.strict and self.writer.error is not None:
-            raise RecorderError(f"ampdoctor recording failed: {self.writer.error}") from self.writer.error
+        if self.writer.error is not None and not self._reported:
+            self.fail(self.writer.error)
 
     def _remove_hooks(self) -> None:
         if self._sniff_handle is not None:

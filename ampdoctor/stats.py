@@ -6,16 +6,17 @@ the units of DESIGN.md:
 * ``amax``  largest finite magnitude, unscaled (0 when there is none);
 * ``amin``  smallest nonzero finite magnitude, unscaled (NaN when there is none);
 * ``l2``    L2 norm of the finite elements, unscaled (accumulated in float64);
-* ``n_zero, n_subnormal, n_nan, n_inf``; subnormal is judged on the *scaled* value against the
-  smallest normal of the AMP format, i.e. as the value was represented during backward;
-* ``hist``  counts of nonzero finite elements per binade of the unscaled magnitude.
+* ``n_zero, n_subnormal, n_nan, n_inf``; zero and subnormal are judged on the *scaled* value
+  (subnormal: below the smallest normal of the AMP format), i.e. as backward produced it;
+* ``hist``  counts of nonzero finite elements per binade of the unscaled magnitude; magnitudes
+  below ``2**hist_min_exp`` (even those that flush to 0 when unscaled in fp32) go to bin 0.
 
 How: tensors of one (device, dtype) group are flattened into chunks of at most ``CHUNK_ELEMENTS``
 elements. Every element gets one integer *code* (its binade, shifted by ``bins`` when subnormal,
 or one of three codes for zero / NaN / inf) and a single scatter-add counts codes per slot, so all
 the counts and the histogram cost one launch per chunk. Magnitudes are compared as IEEE bit
-patterns (order-preserving for non-negative floats), which makes max/min exact and lets NaN/inf
-be told apart without extra passes. Nothing here calls ``.item()``, boolean indexing or any other
+patterns (order-preserving for non-negative floats), which makes max/min exact and gives the
+binade from the exponent field without a log. Nothing here calls ``.item()``, boolean indexing or any other
 op whose output size depends on data, so on CUDA it queues kernels and returns (no sync).
 """
 
@@ -31,8 +32,8 @@ from .schema import HIST_BINS, HIST_MIN_EXP
 
 CHUNK_ELEMENTS = 1 << 22  # bounds the temporaries: ~20 bytes per element of the chunk
 
-_INF_BITS = 0x7F800000  # float32 +inf; larger (positive) bit patterns are NaN
 _ABS_MASK = 0x7FFFFFFF
+_NONE_BITS = 0x7FFFFFFF  # "no nonzero element" for amin: a NaN pattern, above every magnitude
 
 
 @dataclass
@@ -41,7 +42,7 @@ class DeviceStats:
 
     counts: torch.Tensor     # int64 [slots * (2 * bins + 3)]: binade codes, see _codes()
     amax_bits: torch.Tensor  # int32 [slots]: float32 bit pattern of the largest finite magnitude
-    amin_bits: torch.Tensor  # int32 [slots]: bit pattern of the smallest nonzero finite (or +inf)
+    amin_bits: torch.Tensor  # int32 [slots]: bit pattern of the smallest nonzero (NaN: none)
     sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values
     bins: int
 
@@ -79,12 +80,11 @@ class HostStats:
         bins = raw.bins
         counts = raw.counts.numpy().reshape(-1, 2 * bins + 3)
         amax = raw.amax_bits.numpy().view(np.float32).copy()
-        amin = raw.amin_bits.numpy().view(np.float32).copy()
-        amin[np.isinf(amin)] = np.nan
+        amin = raw.amin_bits.numpy().view(np.float32).copy()  # _NONE_BITS reads as NaN
         return cls(
             amax=amax,
             amin=amin,
-            l2=np.sqrt(raw.sumsq.numpy()).astype(np.float32),
+            l2=_to_float32(np.sqrt(raw.sumsq.numpy())),
             n_zero=counts[:, 2 * bins].copy(),
             n_subnormal=counts[:, bins:2 * bins].sum(axis=1),
             n_nan=counts[:, 2 * bins + 1].copy(),
@@ -98,7 +98,7 @@ class HostStats:
         return HostStats(
             amax=np.array([self.amax.max(initial=0.0)], dtype=np.float32),
             amin=np.array([finite_min.min() if finite_min.size else np.nan], dtype=np.float32),
-            l2=np.array([np.sqrt(np.square(self.l2.astype(np.float64)).sum())], dtype=np.float32),
+            l2=_to_float32(np.sqrt(np.square(self.l2.astype(np.float64)).sum(keepdims=True))),
             n_zero=np.array([self.n_zero.sum()]), n_subnormal=np.array([self.n_subnormal.sum()]),
             n_nan=np.array([self.n_nan.sum()]), n_inf=np.array([self.n_inf.sum()]),
             hist=self.hist.sum(axis=0, keepdims=True, dtype=np.int64).astype(np.int32),
@@ -108,6 +108,12 @@ class HostStats:
     def concat(parts: Sequence["HostStats"]) -> "HostStats":
         return HostStats(*(np.concatenate([getattr(p, f) for p in parts])
                            for f in HostStats.__dataclass_fields__))
+
+
+def _to_float32(values: np.ndarray) -> np.ndarray:
+    """float64 → float32; a norm beyond float32's range honestly becomes inf."""
+    with np.errstate(over="ignore"):
+        return values.astype(np.float32)
 
 
 class SlotLayouts:
@@ -158,7 +164,7 @@ def tensor_stats(
     stride = 2 * hist_bins + 3
     counts = torch.zeros(n_slots * stride, dtype=torch.int64, device=device)
     amax_bits = torch.zeros(n_slots, dtype=torch.int32, device=device)
-    amin_bits = torch.full((n_slots,), _INF_BITS, dtype=torch.int32, device=device)
+    amin_bits = torch.full((n_slots,), _NONE_BITS, dtype=torch.int32, device=device)
     sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
 
     for pieces in _chunks(tensors, per_tensor):
@@ -203,17 +209,19 @@ def _accumulate(flat, seg, slot, inv_scale, subnormal_below, min_exp, bins,
     if inv_scale is not None:
         unscaled = unscaled * inv_scale  # the same fp32 product torch's unscale_ computes
     bits = unscaled.view(torch.int32) & _ABS_MASK  # abs() may keep the sign of -NaN
-    finite = bits < _INF_BITS
+    # Classified as backward produced it (that is what makes torch skip a step); a finite scaled
+    # value can still overflow when unscaled by a scale below 1, and then its magnitude is inf.
+    finite = torch.isfinite(scaled_abs)
 
     # Binade of the unscaled value from its exponent field. float32 subnormals (exponent field
     # 0) land in bin 0 with the other tiny values, which the clamp puts there anyway.
     code = ((bits >> 23) - (127 + min_exp)).clamp_(0, bins - 1)
     code += (scaled_abs < subnormal_below).to(torch.int32) * bins
-    code = torch.where(finite, code, (2 * bins + 1) + (bits == _INF_BITS).to(torch.int32))
-    code = torch.where(bits == 0, 2 * bins, code)
+    code = torch.where(finite, code, (2 * bins + 1) + torch.isinf(scaled_abs).to(torch.int32))
+    code = torch.where(scaled_abs == 0, 2 * bins, code)  # zero as backward produced it
 
     finite_bits = torch.where(finite, bits, 0)
-    nonzero_bits = torch.where(finite & (bits != 0), bits, _INF_BITS)
+    nonzero_bits = torch.where(finite & (bits != 0), bits, _NONE_BITS)
     square = torch.where(finite, unscaled, 0).double().square()
 
     if seg is None:

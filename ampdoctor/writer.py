@@ -7,9 +7,9 @@ every ``flush_seconds``, at once after an anomaly (a skipped step or a non-finit
 ``close()``. So host memory is bounded by ``queue_size`` records plus one segment's rows, and a
 killed process loses at most the steps since the last segment.
 
-A failure in the worker (disk full, permission denied, a bug of ours) is kept, warned about once,
-and recording stops: later records are dropped. ``error`` hands the exception to the caller,
-which raises it only when the user asked for ``strict=True``.
+A failure in the worker (disk full, permission denied, a bug of ours) is kept and recording
+stops: later records are dropped. ``error`` hands the exception back to the training thread,
+which warns once, or raises it when the user asked for ``strict=True``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -185,11 +184,8 @@ class RunWriter:
         try:
             action()
         except BaseException as exc:  # noqa: BLE001 - every failure must stop recording, not training
-            self._error = exc
+            self._error = exc  # handed back to the training thread, which warns once (or raises)
             self._pending = Columns()
-            warnings.warn(
-                f"ampdoctor: recording to {self.path} stopped ({type(exc).__name__}: {exc}); "
-                "training continues unaffected", RuntimeWarning, stacklevel=2)
 
     def _add(self, record: Any) -> None:
         block, n, anomaly = self._materialize(record)

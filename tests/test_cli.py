@@ -1,0 +1,56 @@
+"""The CLI: thin commands, one-line errors with exit code 2, never a traceback."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ampdoctor.cli import main
+from test_run import record
+
+
+@pytest.fixture
+def cli():
+    return CliRunner()
+
+
+def test_info_text_and_json(cli, run_path):
+    record(run_path)
+    text = cli.invoke(main, ["info", str(run_path)])
+    assert text.exit_code == 0, text.output
+    assert "steps      6 (steps 0..5), 0 skipped" in text.output
+    assert "ended      cleanly" in text.output
+    data = json.loads(cli.invoke(main, ["info", str(run_path), "--format", "json"]).output)
+    assert data["steps"] == 6 and data["tensors"] == 6 and data["schema_version"] == 1
+
+
+@pytest.mark.parametrize("setup,message", [
+    (lambda p: None, "no such file"),
+    (lambda p: p.write_text("hi"), "not a Parquet file"),
+    (lambda p: p.mkdir(), "empty directory"),
+])
+def test_info_bad_input_is_one_line_exit_2(cli, tmp_path, setup, message):
+    target = tmp_path / "thing"
+    setup(target)
+    result = cli.invoke(main, ["info", str(target)])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output and result.output.count("\n") == 1
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+
+
+def test_demo_writes_a_run_that_info_reads(cli, tmp_path):
+    out = tmp_path / "demo.parquet"
+    result = cli.invoke(main, ["demo", "--out", str(out), "--steps", "8", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert f"ampdoctor info {out}" in result.output
+    info = json.loads(cli.invoke(main, ["info", str(out), "--format", "json"]).output)
+    assert info["steps"] == 8 and info["amp_dtype"] == "float16" and info["tensors"] == 29
+
+
+def test_demo_refuses_cuda_without_a_gpu(cli, tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = cli.invoke(main, ["demo", "--device", "cuda", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "CUDA is not available" in result.output

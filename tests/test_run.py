@@ -1,0 +1,132 @@
+"""Loading runs: every kind of bad input is a one-line RunError; damaged segments are skipped."""
+
+from __future__ import annotations
+
+import shutil
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import ampdoctor
+from ampdoctor.errors import RunError
+from ampdoctor.run import describe, read_run
+from ampdoctor.schema import COLUMNS, META_SCHEMA_VERSION
+from models import MLP, batches, mse
+
+
+def record(path, steps=6, flush_every=2, **options):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.GradScaler("cpu", model=model, path=path, flush_every=flush_every, **options) as scaler:
+        for x, y in batches(steps):
+            scaler.scale(mse(model, x, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return path
+
+
+def test_run_reads_with_plain_pandas_and_pyarrow(run_path):
+    record(run_path)
+    df = pd.read_parquet(run_path)  # the run is a public format: no ampdoctor needed to read it
+    assert list(df.columns) == list(COLUMNS)
+    assert len(df) == 6 * 7
+    meta = pq.read_schema(next(run_path.glob("*.parquet"))).metadata
+    for key in ("ampdoctor.schema_version", "scaler.init_scale", "amp.dtype", "hist.bins", "run.id",
+                "world_size", "torch.version", "device", "run.started", "hist.min_exp"):
+        assert key.encode() in meta, key
+
+
+def test_load_returns_frame_with_metadata(run_path):
+    record(run_path)
+    df = ampdoctor.load(run_path)
+    assert df.attrs["metadata"]["amp.dtype"] == "float16"
+    assert df.attrs["metadata"]["scaler.init_scale"] == "65536.0"
+    steps = df[df.kind == "step"]
+    assert steps.numel.iloc[0] == sum(p.numel() for p in MLP().parameters())
+    assert steps["hist"].map(len).eq(64).all()
+
+
+def test_describe(run_path):
+    record(run_path)
+    info = describe(read_run(run_path))
+    assert info["steps"] == 6 and info["first_step"] == 0 and info["last_step"] == 5
+    assert info["tensors"] == 6 and info["ranks"] == [0] and info["ended_cleanly"]
+    assert info["kinds"] == {"step": 6, "param_grad": 36}
+    assert info["segments"] == 4  # three of two steps, and the empty final one written by close()
+
+
+def test_missing_path():
+    with pytest.raises(RunError, match="no such file"):
+        read_run("/nonexistent/run.parquet")
+
+
+def test_not_parquet(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello")
+    with pytest.raises(RunError, match="not a Parquet file"):
+        read_run(f)
+
+
+def test_parquet_from_another_tool(tmp_path):
+    f = tmp_path / "other.parquet"
+    pd.DataFrame({"a": [1, 2]}).to_parquet(f)
+    with pytest.raises(RunError, match="another tool"):
+        read_run(f)
+    d = tmp_path / "dataset"
+    d.mkdir()
+    shutil.copy(f, d / "part-0.parquet")
+    with pytest.raises(RunError, match="another tool"):
+        read_run(d)
+
+
+def test_newer_schema_version(run_path):
+    record(run_path)
+    seg = sorted(run_path.glob("*.parquet"))[0]
+    table = pq.read_table(seg)
+    meta = dict(table.schema.metadata)
+    meta[META_SCHEMA_VERSION.encode()] = b"99"
+    pq.write_table(table.replace_schema_metadata(meta), seg)
+    with pytest.raises(RunError, match="schema version 99.*upgrade"):
+        read_run(run_path)
+
+
+def test_empty_directory(tmp_path):
+    with pytest.raises(RunError, match="empty directory"):
+        read_run(tmp_path)
+
+
+def test_empty_run(run_path):
+    ampdoctor.GradScaler("cpu", path=run_path).close()
+    with pytest.raises(RunError, match="empty run"):
+        read_run(run_path)
+
+
+def test_truncated_segment_is_skipped_and_the_rest_is_read(run_path):
+    record(run_path)
+    first = sorted(run_path.glob("*.parquet"))[0]
+    first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
+    run = read_run(run_path)
+    assert len(run.warnings) == 1 and "truncated" in run.warnings[0] and first.name in run.warnings[0]
+    assert sorted(run.frame.query("kind == 'step'").step) == [2, 3, 4, 5]
+
+
+def test_segment_in_progress_is_invisible(run_path):
+    record(run_path)
+    (run_path / ".part-r00000-x-000009.parquet.tmp").write_bytes(b"PAR1 half written")
+    assert len(read_run(run_path).frame.query("kind == 'step'")) == 6
+    assert len(pd.read_parquet(run_path).query("kind == 'step'")) == 6
+
+
+def test_single_segment_file(run_path):
+    record(run_path)
+    seg = sorted(run_path.glob("*.parquet"))[0]
+    assert len(read_run(seg).frame.query("kind == 'step'")) == 2
+    truncated = run_path.parent / "cut.parquet"
+    truncated.write_bytes(seg.read_bytes()[:-10])
+    with pytest.raises(RunError, match="truncated"):
+        read_run(truncated)

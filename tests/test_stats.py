@@ -1,0 +1,142 @@
+"""stats.py against a float64 reference, on tensors with zeros, subnormals, huge values, infs and NaNs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from ampdoctor import stats as stats_module
+from ampdoctor.formats import BFLOAT16, FLOAT16, FLOAT32, float_format
+from ampdoctor.stats import HostStats, tensor_stats
+
+MIN_EXP, BINS = -56, 64
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def reference(x: torch.Tensor, scale: float, amp_format) -> dict:
+    """float64 statistics of the scaled tensor ``x``. The unscaled value of an element is the one
+    torch's unscale_ produces (fp32 product with the fp32 reciprocal of the scale)."""
+    np.seterr(over="ignore")
+    scaled = x.double().abs().numpy().ravel()
+    inv = np.float32(1.0 / scale)
+    unscaled = (x.float().abs().numpy().ravel() * inv).astype(np.float64)
+    finite = np.isfinite(scaled)
+    nonzero = finite & (unscaled > 0)
+    hist = np.zeros(BINS, dtype=np.int64)
+    for v in unscaled[finite & (scaled > 0)]:  # nonzero as backward produced it
+        # 0: flushed to zero by the unscale; inf: a scale below 1 overflowed it on the unscale
+        binade = MIN_EXP if v == 0 else MIN_EXP + BINS if math.isinf(v) else math.floor(math.log2(v))
+        hist[min(max(binade - MIN_EXP, 0), BINS - 1)] += 1
+    return {
+        "amax": unscaled[finite].max(initial=0.0),
+        "amin": unscaled[nonzero].min() if nonzero.any() else math.nan,
+        "l2": math.sqrt(float(np.sum(unscaled[finite] ** 2))),
+        "n_zero": int(np.sum(scaled == 0)),
+        "n_subnormal": int(np.sum((scaled > 0) & (scaled < amp_format.smallest_normal))),
+        "n_nan": int(np.sum(np.isnan(scaled))),
+        "n_inf": int(np.sum(np.isinf(scaled))),
+        "hist": hist,
+    }
+
+
+def special_floats(dtype_name: str):
+    fmt = float_format(dtype_name)
+    return st.one_of(
+        st.floats(allow_nan=False, allow_infinity=False, width=32),
+        st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan, fmt.max, -fmt.max,
+                         fmt.smallest_subnormal, fmt.smallest_normal, fmt.smallest_normal / 3]),
+        st.floats(min_value=fmt.smallest_subnormal, max_value=fmt.smallest_normal * 4),
+    )
+
+
+@st.composite
+def scaled_tensors(draw):
+    dtype_name = draw(st.sampled_from(sorted(DTYPES)))
+    sizes = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
+    tensors = [torch.tensor(draw(st.lists(special_floats(dtype_name), min_size=n, max_size=n)),
+                            dtype=torch.float64).to(DTYPES[dtype_name]) for n in sizes]
+    scale = 2.0 ** draw(st.integers(-4, 24))
+    amp = draw(st.sampled_from([FLOAT16, BFLOAT16, FLOAT32]))
+    return tensors, scale, amp
+
+
+@np.errstate(over="ignore")  # huge finite values overflow float32 on the way, as in training
+def _check(got: HostStats, i: int, ref: dict) -> None:
+    assert got.n_zero[i] == ref["n_zero"]
+    assert got.n_subnormal[i] == ref["n_subnormal"]
+    assert got.n_nan[i] == ref["n_nan"]
+    assert got.n_inf[i] == ref["n_inf"]
+    np.testing.assert_array_equal(got.hist[i], ref["hist"])
+    assert got.amax[i] == np.float32(ref["amax"])  # max/min are exact
+    if math.isnan(ref["amin"]):
+        assert math.isnan(got.amin[i])
+    else:
+        assert got.amin[i] == np.float32(ref["amin"])
+    if math.isinf(ref["l2"]):
+        assert math.isinf(got.l2[i])
+    else:
+        assert got.l2[i] == pytest.approx(np.float32(ref["l2"]), rel=1e-6, abs=1e-45)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scaled_tensors())
+def test_per_tensor_stats_match_float64_reference(case):
+    tensors, scale, amp = case
+    inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
+    got = HostStats.from_device(tensor_stats(tensors, inv_scale=inv, subnormal_below=amp.smallest_normal,
+                                             hist_min_exp=MIN_EXP, hist_bins=BINS))
+    for i, t in enumerate(tensors):
+        _check(got, i, reference(t, scale, amp))
+
+
+@settings(max_examples=60, deadline=None)
+@given(scaled_tensors())
+def test_whole_model_stats_are_the_total_of_per_tensor_stats(case):
+    tensors, scale, amp = case
+    inv = torch.tensor(1.0 / scale)
+    kw = dict(inv_scale=inv, subnormal_below=amp.smallest_normal, hist_min_exp=MIN_EXP, hist_bins=BINS)
+    per = HostStats.from_device(tensor_stats(tensors, **kw)).total()
+    whole = HostStats.from_device(tensor_stats(tensors, per_tensor=False, **kw))
+    _check(whole, 0, reference(torch.cat([t.reshape(-1) for t in tensors]), scale, amp))
+    for field in ("n_zero", "n_subnormal", "n_nan", "n_inf", "amax"):
+        assert getattr(per, field)[0] == getattr(whole, field)[0]
+    np.testing.assert_array_equal(per.hist, whole.hist)
+
+
+def test_chunking_splits_large_tensors_without_changing_results(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(37, generator=gen) * 1e-3, torch.randn(5, 7, generator=gen),
+               torch.tensor([0.0, math.inf, math.nan, 1e-30])]
+    kw = dict(inv_scale=torch.tensor(1.0 / 1024), subnormal_below=FLOAT16.smallest_normal)
+    expected = HostStats.from_device(tensor_stats(tensors, **kw))
+    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 6)  # tensors span chunks, chunks mix slots
+    got = HostStats.from_device(tensor_stats(tensors, layouts=stats_module.SlotLayouts(), **kw))
+    for field in HostStats.__dataclass_fields__:
+        np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
+
+
+def test_non_power_of_two_scale():
+    x = torch.tensor([3.0, -1000.0, 1e-3, 0.0], dtype=torch.float16)
+    got = HostStats.from_device(tensor_stats([x], inv_scale=torch.tensor(1 / 1000.0),
+                                             subnormal_below=FLOAT16.smallest_normal))
+    ref = reference(x, 1000.0, FLOAT16)
+    assert got.amax[0] == pytest.approx(ref["amax"], rel=1e-6)
+    assert got.l2[0] == pytest.approx(ref["l2"], rel=1e-6)
+    assert got.n_zero[0] == 1
+
+
+def test_unscaled_statistics_without_a_scale():
+    x = torch.tensor([2.0**-30, 4.0, -0.5])
+    got = HostStats.from_device(tensor_stats([x], inv_scale=None, subnormal_below=BFLOAT16.smallest_normal))
+    assert got.amax[0] == 4.0 and got.amin[0] == 2.0**-30
+    assert got.hist[0, -30 - MIN_EXP] == 1 and got.hist[0, 2 - MIN_EXP] == 1 and got.hist[0, -1 - MIN_EXP] == 1
+    assert got.n_subnormal[0] == 0
+
+
+def test_empty_input_is_rejected():
+    with pytest.raises(ValueError):
+        tensor_stats([], inv_scale=None, subnormal_below=1.0)
