@@ -20,10 +20,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def reference(x: torch.Tensor, scale: float, amp_format) -> dict:
     """float64 statistics of the scaled tensor ``x``. The unscaled value of an element is the one
     torch's unscale_ produces (fp32 product with the fp32 reciprocal of the scale)."""
-    np.seterr(over="ignore")
     scaled = x.double().abs().numpy().ravel()
     inv = np.float32(1.0 / scale)
-    unscaled = (x.float().abs().numpy().ravel() * inv).astype(np.float64)
+    with np.errstate(over="ignore"):  # a scale below 1 can overflow a finite value, as in torch
+        unscaled = (x.float().abs().numpy().ravel() * inv).astype(np.float64)
     finite = np.isfinite(scaled)
     nonzero = finite & (unscaled > 0)
     hist = np.zeros(BINS, dtype=np.int64)
