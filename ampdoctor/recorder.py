@@ -27,7 +27,7 @@ from . import __version__
 from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
-from .stats import DeviceStats, HostStats, SlotLayouts, tensor_stats
+from .stats import DeviceStats, HostStats, SlotLayouts, tensor_stats, to_host
 from .writer import RunWriter, close_all_writers
 
 LEVELS = ("steps", "params")
@@ -198,7 +198,7 @@ class Recorder:
         if id(optimizer) in self._observed:
             return
         self._observed.add(id(optimizer))
-        per_tensor = self.options.level == "params" and self.step % self.options.every == 0
+        per_tensor = self._per_tensor_step()
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
         groups: dict[tuple, tuple[list, list]] = {}
@@ -256,7 +256,7 @@ class Recorder:
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups)
         on_device = scalars is not None and scalars.device.type != "cpu"
         if on_device or any(g.stats.counts.device.type != "cpu" for g in record.groups):
-            record.scalars = _to_host(scalars)
+            record.scalars = to_host(scalars) if scalars is not None else None
             for g in record.groups:
                 g.stats = g.stats.to_host(non_blocking=True)
             if torch.cuda.is_available():
@@ -295,7 +295,7 @@ class Recorder:
             total = merged.total()
         else:
             merged, total = None, _empty_stats(self.options.hist_bins)
-        names = ["" ]
+        names = [""]
         dtypes = [record.amp_dtype]
         numels = [int(sum(g.numels.sum() for g in record.groups))]
         kinds = ["step"]
@@ -333,13 +333,6 @@ class Recorder:
 def _empty_stats(bins: int) -> HostStats:
     return HostStats(np.zeros(1, np.float32), np.full(1, np.nan, np.float32), np.zeros(1, np.float32),
                      *(np.zeros(1, np.int64) for _ in range(4)), np.zeros((1, bins), np.int32))
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return host.copy_(t, non_blocking=True)
 
 
 def _tensors(outputs) -> Iterable[torch.Tensor]:

@@ -51,14 +51,17 @@ class DeviceStats:
         when ``non_blocking``; the caller must wait on an event before reading the result."""
         if self.counts.device.type == "cpu":
             return self
-        pin = torch.cuda.is_available()
+        return DeviceStats(*(to_host(t, non_blocking) for t in
+                             (self.counts, self.amax_bits, self.amin_bits, self.sumsq)), self.bins)
 
-        def out(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            return host.copy_(t, non_blocking=non_blocking)
 
-        return DeviceStats(out(self.counts), out(self.amax_bits), out(self.amin_bits),
-                           out(self.sumsq), self.bins)
+def to_host(t: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
+    """``t`` itself if on the CPU, else a copy into pinned host memory (no sync when
+    ``non_blocking``: read it only after an event recorded after this call has completed)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(t, non_blocking=non_blocking)
 
 
 @dataclass
@@ -168,17 +171,20 @@ def tensor_stats(
     sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
 
     for pieces in _chunks(tensors, per_tensor):
-        slots = tuple(s for s, _ in pieces)
         views = [v for _, v in pieces]
         flat = views[0] if len(views) == 1 else torch.cat(views)
-        if len(set(slots)) == 1:
-            seg = None  # one slot: plain reductions, no index tensor
-            slot = slots[0]
-        else:
-            slot_ids, lengths = layouts.get(device, slots, tuple(v.numel() for v in views))
+        segments, start = [], 0  # (slot, start, length) of each piece inside flat
+        for (slot, v) in pieces:
+            segments.append((slot, start, v.numel()))
+            start += v.numel()
+        seg = None
+        if device.type != "cpu" and len({s for s, _, _ in segments}) > 1:
+            # On an accelerator, one grouped scatter per statistic instead of a launch per tensor.
+            slot_ids, lengths = layouts.get(device, tuple(s for s, _, _ in segments),
+                                            tuple(n for _, _, n in segments))
             seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
-        _accumulate(flat, seg, slot if seg is None else 0, inv_scale, subnormal_below,
-                    hist_min_exp, hist_bins, counts, amax_bits, amin_bits, sumsq)
+        _accumulate(flat, seg, segments, inv_scale, subnormal_below, hist_min_exp, hist_bins,
+                    counts, amax_bits, amin_bits, sumsq)
     return DeviceStats(counts, amax_bits, amin_bits, sumsq, hist_bins)
 
 
@@ -201,7 +207,7 @@ def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
         yield pending
 
 
-def _accumulate(flat, seg, slot, inv_scale, subnormal_below, min_exp, bins,
+def _accumulate(flat, seg, segments, inv_scale, subnormal_below, min_exp, bins,
                 counts, amax_bits, amin_bits, sumsq) -> None:
     stride = 2 * bins + 3
     scaled_abs = flat.abs()
@@ -222,23 +228,39 @@ def _accumulate(flat, seg, slot, inv_scale, subnormal_below, min_exp, bins,
 
     finite_bits = torch.where(finite, bits, 0)
     nonzero_bits = torch.where(finite & (bits != 0), bits, _NONE_BITS)
-    square = torch.where(finite, unscaled, 0).double().square()
+    finite_values = torch.where(finite, unscaled, 0)
 
-    if seg is None:
-        counts[slot * stride:(slot + 1) * stride] += _bincount(code.long(), stride)
-        amax_bits[slot] = torch.maximum(amax_bits[slot], finite_bits.max())
-        amin_bits[slot] = torch.minimum(amin_bits[slot], nonzero_bits.min())
-        sumsq[slot] += square.sum()
-    else:
+    if seg is not None:
         counts += _bincount(seg * stride + code, counts.numel())
         amax_bits.scatter_reduce_(0, seg, finite_bits, "amax")
         amin_bits.scatter_reduce_(0, seg, nonzero_bits, "amin")
-        sumsq.index_add_(0, seg, square)
+        sumsq.index_add_(0, seg, finite_values.double().square())
+        return
+    # On the CPU (or a chunk of one slot) reductions over slices of the flat buffers are cheaper
+    # than scatters: there is no launch overhead to amortise.
+    for slot, start, length in _merge_runs(segments):
+        part = slice(start, start + length)
+        counts[slot * stride:(slot + 1) * stride] += _bincount(code[part], stride)
+        amax_bits[slot] = torch.maximum(amax_bits[slot], finite_bits[part].max())
+        amin_bits[slot] = torch.minimum(amin_bits[slot], nonzero_bits[part].min())
+        # float64 accumulation without materialising a float64 copy
+        sumsq[slot] += torch.linalg.vector_norm(finite_values[part], dtype=torch.float64).square()
+
+
+def _merge_runs(segments):
+    """Adjacent pieces of one slot become one slice."""
+    merged = []
+    for slot, start, length in segments:
+        if merged and merged[-1][0] == slot:
+            merged[-1] = (slot, merged[-1][1], merged[-1][2] + length)
+        else:
+            merged.append((slot, start, length))
+    return merged
 
 
 def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
     if index.device.type == "cpu":
-        return torch.bincount(index, minlength=length)
+        return torch.bincount(index, minlength=length)  # int32 codes are fine here
     # torch.bincount sizes its output from the data (a sync); a fixed-size scatter does not.
     out = torch.zeros(length, dtype=torch.int64, device=index.device)
     return out.index_add_(0, index, torch.ones(1, dtype=torch.int64, device=index.device).expand_as(index))

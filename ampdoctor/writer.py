@@ -43,11 +43,13 @@ class Columns:
 
     data: dict[str, list[np.ndarray]] = field(default_factory=dict)
     rows: int = 0
+    records: int = 0  # training steps held
 
     def append(self, block: dict[str, np.ndarray], n: int) -> None:
         for key, values in block.items():
             self.data.setdefault(key, []).append(values)
         self.rows += n
+        self.records += 1
 
     def to_table(self, schema: pa.Schema) -> pa.Table:
         arrays = []
@@ -191,7 +193,7 @@ class RunWriter:
         block, n, anomaly = self._materialize(record)
         self._pending.append(block, n)
         due = (self._pending.rows and (
-            anomaly or len(self._pending.data.get("step", ())) >= self._flush_every
+            anomaly or self._pending.records >= self._flush_every
             or time.monotonic() - self._last_flush >= self._flush_seconds))
         if due:
             self._write_segment(final=False)
