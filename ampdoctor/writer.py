@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
 
 _CLOSE = object()   # shutdown sentinel
-_FLUSH = object()   # "write what you have now"
+_FLUSH = object()   # "write what you have now" (the flush_seconds timer)
 
 _open_writers: set["RunWriter"] = set()
 _open_lock = threading.Lock()
@@ -145,11 +145,6 @@ class RunWriter:
             return False
         self._queue.put(record)
         return True
-
-    def flush(self) -> None:
-        """Ask the worker to write a segment with what it has (does not wait)."""
-        if not self._closed and self._error is None:
-            self._queue.put(_FLUSH)
 
     def close(self, timeout: float | None = None) -> None:
         """Write the last segment and stop the worker. Idempotent; waits for the worker."""
