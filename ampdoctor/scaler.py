@@ -43,26 +43,30 @@ class _Recording:
             rec.observe_loss(outputs)
         return scaled
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """As torch. First records the statistics of the (still scaled) gradients. No sync."""
+    def _observe_scaled_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record ``optimizer``'s gradients if they are still as backward left them (scaled, not
+        yet unscaled this iteration); a disabled scaler's gradients are recorded as they are."""
         rec = self.recorder
-        if rec is not None and self._enabled and self._scale is not None:
-            state = self._per_optimizer_states.get(id(optimizer))
+        if rec is None:
+            return
+        if not self._enabled:
+            rec.observe_grads(optimizer, None)
+        elif self._scale is not None:
+            state = self._per_optimizer_states.get(id(optimizer))  # .get: don't create state
             if state is None or state["stage"] is OptState.READY:  # otherwise torch raises
                 rec.observe_grads(optimizer, self._scale)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """As torch. First records the statistics of the (still scaled) gradients. No sync."""
+        if self._enabled:
+            self._observe_scaled_grads(optimizer)
         super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         """As torch (one sync, torch's own). Records gradients not yet seen by ``unscale_``:
         fused optimizers unscale inside their step, and a disabled scaler never unscales."""
-        rec = self.recorder
-        if rec is not None:
-            if not self._enabled:
-                rec.observe_grads(optimizer, None)
-            elif self._scale is not None and "closure" not in kwargs:
-                state = self._per_optimizer_states.get(id(optimizer))
-                if state is None or state["stage"] is OptState.READY:
-                    rec.observe_grads(optimizer, self._scale)
+        if not self._enabled or "closure" not in kwargs:  # enabled torch refuses closures
+            self._observe_scaled_grads(optimizer)
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:

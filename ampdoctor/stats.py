@@ -170,15 +170,10 @@ def tensor_stats(
     amin_bits = torch.full((n_slots,), _NONE_BITS, dtype=torch.int32, device=device)
     sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
 
-    for pieces in _chunks(tensors, per_tensor):
-        views = [v for _, v in pieces]
+    for views, segments in _chunks(tensors, per_tensor):
         flat = views[0] if len(views) == 1 else torch.cat(views)
-        segments, start = [], 0  # (slot, start, length) of each piece inside flat
-        for (slot, v) in pieces:
-            segments.append((slot, start, v.numel()))
-            start += v.numel()
         seg = None
-        if device.type != "cpu" and len({s for s, _, _ in segments}) > 1:
+        if device.type != "cpu" and len(segments) > 1:
             # On an accelerator, one grouped scatter per statistic instead of a launch per tensor.
             slot_ids, lengths = layouts.get(device, tuple(s for s, _, _ in segments),
                                             tuple(n for _, _, n in segments))
@@ -189,22 +184,28 @@ def tensor_stats(
 
 
 def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
-    """Yield lists of (slot, 1-D view) whose sizes add up to at most CHUNK_ELEMENTS; a tensor
-    larger than a chunk is split into several views of the same slot."""
-    pending: list[tuple[int, torch.Tensor]] = []
+    """Yield ``(views, segments)``: 1-D views adding up to at most CHUNK_ELEMENTS elements, and
+    the ``(slot, start, length)`` runs they form once concatenated (adjacent views of one slot
+    make one run). A tensor larger than a chunk is split into views of the same slot."""
+    views: list[torch.Tensor] = []
+    segments: list[tuple[int, int, int]] = []
     size = 0
     for i, t in enumerate(tensors):
         flat = t.detach().reshape(-1)
         slot = i if per_tensor else 0
         for start in range(0, flat.numel(), CHUNK_ELEMENTS):
             piece = flat[start:start + CHUNK_ELEMENTS]
-            if size + piece.numel() > CHUNK_ELEMENTS and pending:
-                yield pending
-                pending, size = [], 0
-            pending.append((slot, piece))
+            if size + piece.numel() > CHUNK_ELEMENTS and views:
+                yield views, segments
+                views, segments, size = [], [], 0
+            views.append(piece)
+            if segments and segments[-1][0] == slot:
+                segments[-1] = (slot, segments[-1][1], segments[-1][2] + piece.numel())
+            else:
+                segments.append((slot, size, piece.numel()))
             size += piece.numel()
-    if pending:
-        yield pending
+    if views:
+        yield views, segments
 
 
 def _accumulate(flat, seg, segments, inv_scale, subnormal_below, min_exp, bins,
@@ -238,24 +239,13 @@ def _accumulate(flat, seg, segments, inv_scale, subnormal_below, min_exp, bins,
         return
     # On the CPU (or a chunk of one slot) reductions over slices of the flat buffers are cheaper
     # than scatters: there is no launch overhead to amortise.
-    for slot, start, length in _merge_runs(segments):
+    for slot, start, length in segments:
         part = slice(start, start + length)
         counts[slot * stride:(slot + 1) * stride] += _bincount(code[part], stride)
         amax_bits[slot] = torch.maximum(amax_bits[slot], finite_bits[part].max())
         amin_bits[slot] = torch.minimum(amin_bits[slot], nonzero_bits[part].min())
         # float64 accumulation without materialising a float64 copy
         sumsq[slot] += torch.linalg.vector_norm(finite_values[part], dtype=torch.float64).square()
-
-
-def _merge_runs(segments):
-    """Adjacent pieces of one slot become one slice."""
-    merged = []
-    for slot, start, length in segments:
-        if merged and merged[-1][0] == slot:
-            merged[-1] = (slot, merged[-1][1], merged[-1][2] + length)
-        else:
-            merged.append((slot, start, length))
-    return merged
 
 
 def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
