@@ -6,11 +6,23 @@ The scaler calls, per iteration, ``observe_loss`` (from ``scale``), ``observe_gr
 ``after_update`` starts non-blocking copies into pinned memory, records an event and queues the
 record; the writer thread waits on the event. Every method is guarded: an exception of ours warns
 once and stops recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
+
+Module taps (``level="full"``, or an escalation) call ``observe_tap`` from forward and gradient
+hooks (:mod:`ampdoctor.hooks`). On detailed steps (every ``every`` steps, and the ``escalate_steps``
+after an anomaly) each tapped tensor gets the full statistics; on the other steps it gets one
+reduction, its peak magnitude, which is enough to see every non-finite value. The peaks of the last
+``flight_steps`` steps stay on the device (the flight recorder) and are written out only when an
+anomaly is seen: a skipped step, a non-finite loss, or the scale falling below ``scale_floor``.
+Anomalies are read from the pinned copy of each step's scalars once its event has completed
+(``event.query()``, never a wait), so on CUDA they are seen one step later: ``step()`` syncs every
+iteration, so by then the copy has landed.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 import os
 import signal
 import threading
@@ -26,11 +38,13 @@ import torch
 from . import __version__
 from .errors import RecorderError
 from .formats import dtype_name, float_format
+from .hooks import ModuleCall, ModuleFilter, ModuleTaps, is_compiled, unwrap_compiled
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
-from .stats import DeviceStats, HostStats, SlotLayouts, tensor_stats, to_host
+from .stats import DeviceStats, HostStats, SlotLayouts, peak_magnitude, tensor_stats, to_host
 from .writer import RunWriter, close_all_writers
 
-LEVELS = ("steps", "params")
+LEVELS = ("steps", "params", "full")
+MAX_TAP_ROWS_PER_STEP = 100_000  # beyond this (a long forward-only loop between steps) rows are dropped
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,10 @@ class RecordOptions:
     hist_bins: int = HIST_BINS
     queue_size: int = 256
     rank: int | None = None
+    modules: ModuleFilter = None
+    flight_steps: int = 32
+    escalate_steps: int = 20
+    scale_floor: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -56,6 +74,12 @@ class RecordOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("flight_steps", "escalate_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self.scale_floor is not None and not self.scale_floor > 0:
+            raise ValueError(f"scale_floor must be > 0 or None, got {self.scale_floor!r}")
         if not self.flush_seconds > 0:
             raise ValueError(f"flush_seconds must be > 0, got {self.flush_seconds!r}")
         if self.amp_dtype is not None:
@@ -77,6 +101,18 @@ class GroupRecord:
 
 
 @dataclass
+class TapObservation:
+    """One tensor seen by a module tap: an ``output`` or a ``grad_output``."""
+
+    kind: str
+    call: ModuleCall
+    order: int
+    dtype: str
+    numel: int
+    stats: DeviceStats | torch.Tensor | None  # full statistics, or the 0-dim peak magnitude
+
+
+@dataclass
 class StepRecord:
     step: int
     rank: int
@@ -84,7 +120,29 @@ class StepRecord:
     amp_dtype: str
     scalars: torch.Tensor | None      # float32 [scale, found_inf, loss] (None: scaling off, no loss)
     groups: list[GroupRecord] = field(default_factory=list)
+    taps: list[TapObservation] = field(default_factory=list)  # detailed steps only
     event: Any = None                 # torch.cuda.Event to wait on before reading
+
+
+@dataclass
+class LightStep:
+    """A step's module peaks in the flight recorder: ``peaks[i]`` belongs to ``taps[i]``
+    (gradients still scaled by the step's scale)."""
+
+    step: int
+    taps: list[TapObservation]
+    peaks: torch.Tensor               # float32 [len(taps)], on the device until dumped
+    scalars: torch.Tensor | None      # the step's host scalars (see StepRecord)
+    event: Any = None                 # the step's copy event (its scalars)
+
+
+@dataclass
+class FlightRecord:
+    """The flight recorder's steps, written out after an anomaly."""
+
+    rank: int
+    steps: list[LightStep]
+    event: Any = None
 
 
 def _guarded(method):
@@ -108,6 +166,8 @@ class Recorder:
 
     def __init__(self, scaler: torch.amp.GradScaler, model: torch.nn.Module | None,
                  options: RecordOptions, *, scaler_class: str, start_step: int = 0) -> None:
+        if options.level == "full" and model is None:
+            raise ValueError("level='full' needs model=: the module taps are installed on it")
         self.options = options
         self.active = True
         self.step = start_step
@@ -122,6 +182,17 @@ class Recorder:
         self._reported = False  # a failure has been warned about (or raised)
         self._sniff_handle = None
         self._amp_dtype = dtype_name(options.amp_dtype) if options.amp_dtype is not None else None
+        # Module taps, the flight recorder and escalation.
+        self._taps: ModuleTaps | None = None
+        self._tap_mode: str | None = None       # None, "light" or "full" for the step in progress
+        self._tap_obs: list[TapObservation] = []
+        self._dropped_taps = 0
+        self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
+        self._inv_scales: dict[torch.device, torch.Tensor] = {}
+        self._flight: collections.deque[LightStep] = collections.deque(maxlen=options.flight_steps + 4)
+        self._pending_checks: collections.deque = collections.deque()  # (step, host scalars, event)
+        self._escalate_until = start_step       # steps below this are detailed (after an anomaly)
+        self._below_floor = False
         self.rank, self.world_size = _rank_and_world(options.rank)
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -134,15 +205,24 @@ class Recorder:
             "device": self.device_type,
         }
         if model is not None:
-            self._names = {id(p): n for n, p in model.named_parameters()}
+            inner = unwrap_compiled(model)
+            self._names = {id(p): n for n, p in inner.named_parameters()}
+            if is_compiled(model):
+                if options.level == "full":
+                    warnings.warn("ampdoctor: the model is compiled with torch.compile; module taps "
+                                  "are off and recording continues at level='params'",
+                                  RuntimeWarning, stacklevel=4)
+            else:
+                self._taps = ModuleTaps(inner, options.modules, self)
             if self._amp_dtype is None:
-                self._sniff_handle = model.register_forward_pre_hook(self._sniff_autocast)
+                self._sniff_handle = inner.register_forward_pre_hook(self._sniff_autocast)
         self.writer = RunWriter(
             self.path, metadata=self._metadata, materialize=self._materialize, rank=self.rank,
             hist_bins=options.hist_bins, flush_every=options.flush_every,
             flush_seconds=options.flush_seconds, queue_size=options.queue_size)
         _install_sigterm_handler()
         self._check_path()
+        self._plan_step()
 
     # -- lifecycle -------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
@@ -158,14 +238,31 @@ class Recorder:
                           f"{exc}); training continues unaffected", RuntimeWarning, stacklevel=4)
 
     def close(self) -> None:
-        """Flush and finish the run. Idempotent. Waits for the writer thread (host-side only)."""
+        """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies)
+        and for the writer thread: host-side waits only, after training."""
+        if self.active:
+            try:
+                self._check_anomalies(wait=True)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(exc)
         self._remove_hooks()
         self.active = False
         self.writer.close()
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
 
+    def set_step(self, step: int) -> None:
+        """Continue the step numbering at ``step`` (a resumed run)."""
+        self.step = step
+        self._escalate_until = min(self._escalate_until, step)
+        self._plan_step()
+
     def _remove_hooks(self) -> None:
+        self._remove_sniff()
+        if self._taps is not None:
+            self._taps.remove()
+
+    def _remove_sniff(self) -> None:
         if self._sniff_handle is not None:
             self._sniff_handle.remove()
             self._sniff_handle = None
@@ -178,18 +275,56 @@ class Recorder:
     def _sniff_autocast(self, module, args) -> None:
         if torch.is_autocast_enabled(self.device_type):
             self._amp_dtype = dtype_name(torch.get_autocast_dtype(self.device_type))
-            self._remove_hooks()
+            self._remove_sniff()
 
     @property
     def amp_dtype(self) -> str:
         return self._amp_dtype or "float16"
 
+    @property
+    def tap_mode(self) -> str | None:
+        """What the module taps record this step: None, ``"light"`` (peaks) or ``"full"``."""
+        return self._tap_mode
+
     @_guarded
-    def observe_loss(self, outputs: torch.Tensor | Iterable) -> None:
-        """Add the unscaled value(s) passed to ``scale()`` to this iteration's loss."""
+    def observe_loss(self, outputs: torch.Tensor | Iterable, scale: torch.Tensor | None = None) -> None:
+        """Add the unscaled value(s) passed to ``scale()`` to this iteration's loss; ``scale`` is
+        the loss scale their backward will carry (None: not scaled)."""
+        self._backward_scale = scale
         for t in _tensors(outputs):
             value = t.detach().float().sum()
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
+
+    @_guarded
+    def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
+        """Statistics of a tensor a module tap saw (``output``, or ``grad_output``: still scaled).
+        Called from module and tensor hooks. Does not sync."""
+        mode = self._tap_mode
+        if mode is None:
+            return
+        if len(self._tap_obs) >= MAX_TAP_ROWS_PER_STEP:
+            self._dropped_taps += 1
+            return
+        if mode == "light":
+            stats: DeviceStats | torch.Tensor = peak_magnitude(tensor)
+        else:
+            inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
+            stats = tensor_stats([tensor], inv_scale=inv,
+                                 subnormal_below=float_format(tensor.dtype).smallest_normal,
+                                 hist_min_exp=self.options.hist_min_exp,
+                                 hist_bins=self.options.hist_bins, layouts=self._layouts)
+        self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype),
+                                            tensor.numel(), stats))
+
+    def _inv_scale(self, device: torch.device) -> torch.Tensor | None:
+        """1/scale as torch's unscale_ computes it, on ``device`` (once per step and device)."""
+        if self._backward_scale is None:
+            return None
+        inv = self._inv_scales.get(device)
+        if inv is None:
+            inv = self._backward_scale.double().reciprocal().float().to(device, non_blocking=True)
+            self._inv_scales[device] = inv
+        return inv
 
     @_guarded
     def observe_grads(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None) -> None:
@@ -231,44 +366,138 @@ class Recorder:
 
     @_guarded
     def before_update(self, scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-        """Snapshot [scale, found_inf, loss] before ``update()`` changes the scale in place."""
+        """Snapshot [scale, found_inf, loss, has_loss] before ``update()`` changes the scale in place."""
         scale = getattr(scaler, "_scale", None)
         if not scaler.is_enabled() or scale is None:
             if self._loss is None:
                 return None
-            return torch.stack([torch.ones_like(self._loss), torch.zeros_like(self._loss), self._loss])
+            return torch.stack([torch.ones_like(self._loss), torch.zeros_like(self._loss), self._loss,
+                                torch.ones_like(self._loss)])
         found = [f.to(scale.device, non_blocking=True)
                  for state in scaler._per_optimizer_states.values()
                  for f in state["found_inf_per_device"].values()]
         if not found:
             return None  # update() without step(): torch raises next, and we record nothing
-        loss = (self._loss.to(scale.device, non_blocking=True) if self._loss is not None
-                else torch.full((), float("nan"), device=scale.device))
-        return torch.stack([scale.float(), torch.stack(found).sum(), loss])
+        if self._loss is not None:
+            loss, has_loss = self._loss.to(scale.device, non_blocking=True), 1.0
+        else:
+            loss, has_loss = torch.zeros((), device=scale.device), 0.0
+        return torch.stack([scale.float(), torch.stack(found).sum(), loss,
+                            torch.full((), has_loss, device=scale.device)])
 
     @_guarded
     def after_update(self, scalars: torch.Tensor | None) -> None:
-        """Hand this iteration to the writer: start the copies, record an event, queue."""
+        """Hand this iteration to the writer: start the copies, record an event, queue. Then
+        look at finished steps for anomalies and plan the next step. No sync."""
         if self.writer.failed:
             self.fail(self.writer.error)
             return
+        taps, self._tap_obs = self._tap_obs, []
+        mode = self._tap_mode
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._per_tensor_step(),
-                            amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups)
+                            amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
+                            taps=taps if mode == "full" else [])
+        light = None
+        if mode == "light" and taps:
+            device = taps[0].stats.device
+            peaks = torch.stack([t.stats.to(device, non_blocking=True) for t in taps])
+            for t in taps:
+                t.stats = None
+            light = LightStep(self.step, taps, peaks, None)
         on_device = scalars is not None and scalars.device.type != "cpu"
-        if on_device or any(g.stats.counts.device.type != "cpu" for g in record.groups):
+        tensors = [g.stats for g in record.groups] + [t.stats for t in record.taps]
+        if on_device or any(s.counts.device.type != "cpu" for s in tensors):
             record.scalars = to_host(scalars) if scalars is not None else None
-            for g in record.groups:
-                g.stats = g.stats.to_host(non_blocking=True)
+            for item in (*record.groups, *record.taps):
+                item.stats = item.stats.to_host(non_blocking=True)
             if torch.cuda.is_available():
                 record.event = torch.cuda.Event()
                 record.event.record()
+        if mode is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
+            self._taps_saw_nothing()
+        if self._dropped_taps:
+            warnings.warn(f"ampdoctor: step {self.step}: more than {MAX_TAP_ROWS_PER_STEP} module "
+                          f"observations; {self._dropped_taps} were not recorded", RuntimeWarning,
+                          stacklevel=3)
+            self._dropped_taps = 0
         self._groups, self._loss, self._observed = [], None, set()
-        self.step += 1
-        self._remove_hooks()  # the autocast dtype is known after the first iteration or never
+        self._backward_scale, self._inv_scales = None, {}
         self.writer.put(record)
+        if light is not None:
+            light.scalars, light.event = record.scalars, record.event
+            self._flight.append(light)
+        self._pending_checks.append((self.step, record.scalars, record.event))
+        self._check_anomalies(wait=False)
+        self.step += 1
+        self._remove_sniff()  # the autocast dtype is known after the first iteration or never
+        self._plan_step()
+
+    def _taps_saw_nothing(self) -> None:
+        warnings.warn(f"ampdoctor: no module tap fired in step {self.step} although gradients "
+                      "were recorded: the model runs under torch.compile, or model= is not the "
+                      "module being trained. Module rows are off; recording continues at "
+                      "level='params'", RuntimeWarning, stacklevel=4)
+        self._taps.remove()
+        self._taps = None
 
     def _per_tensor_step(self) -> bool:
-        return self.options.level == "params" and self.step % self.options.every == 0
+        return ((self.options.level != "steps" and self.step % self.options.every == 0)
+                or self.step < self._escalate_until)
+
+    def _plan_step(self) -> None:
+        """Decide what the module taps record in the step about to start; (un)install them."""
+        if self._taps is None:
+            self._tap_mode = None
+            return
+        escalated = self.step < self._escalate_until
+        mode = None
+        if self.options.level == "full":
+            if escalated or self.step % self.options.every == 0:
+                mode = "full"
+            elif self.options.flight_steps:
+                mode = "light"
+        elif escalated:
+            mode = "full"
+        self._tap_mode = mode
+        self._taps.reset()
+        if mode is None:
+            self._taps.remove()
+        else:
+            self._taps.install()
+
+    # -- anomalies: the flight recorder and escalation ---------------------------------------
+    def _check_anomalies(self, *, wait: bool) -> None:
+        """Read the scalars of finished steps (those whose copy event has completed; all of
+        them when ``wait``, which syncs) and react to the first anomaly of a run of them."""
+        while self._pending_checks:
+            step, scalars, event = self._pending_checks[0]
+            if event is not None:
+                if wait:
+                    event.synchronize()
+                elif not event.query():
+                    break
+            self._pending_checks.popleft()
+            scale, skipped, loss = _read_scalars(scalars)
+            floor = self.options.scale_floor
+            below = floor is not None and scalars is not None and scale < floor
+            if skipped or (loss is not None and not math.isfinite(loss)) or (below and not self._below_floor):
+                self._on_anomaly(step)
+            self._below_floor = below
+
+    def _on_anomaly(self, step: int) -> None:
+        """Write out the flight recorder's steps up to ``step`` and escalate the next steps."""
+        steps = [e for e in self._flight if e.step > step - self.options.flight_steps]
+        self._flight.clear()
+        if steps:
+            record = FlightRecord(self.rank, steps)
+            if steps[0].peaks.device.type != "cpu":
+                for e in steps:
+                    e.peaks = to_host(e.peaks)
+                record.event = torch.cuda.Event()
+                record.event.record()
+            self.writer.put(record)
+        if self.options.escalate_steps:
+            self._escalate_until = max(self._escalate_until, self.step + 1 + self.options.escalate_steps)
 
     # -- worker thread -----------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
@@ -280,15 +509,14 @@ class Recorder:
             "run.id": self.run_id, "run.started": self.started,
         }
 
-    def _materialize(self, record: StepRecord) -> tuple[dict[str, np.ndarray], int, bool]:
-        """Rows of one iteration: a step row, then one row per observed gradient."""
+    def _materialize(self, record: StepRecord | FlightRecord):
+        """Rows of one record, as ``([(columns, n_rows), ...], anomaly)``: a step row, one row
+        per observed gradient, one per module observation; or a flight record's light rows."""
         if record.event is not None:
             record.event.synchronize()
-        if record.scalars is not None:
-            scale, found_inf, loss = (float(v) for v in record.scalars.tolist())
-        else:
-            scale, found_inf, loss = 1.0, 0.0, None
-        skipped = found_inf > 0
+        if isinstance(record, FlightRecord):
+            return [self._light_rows(s, record.rank) for s in record.steps], True
+        scale, skipped, loss = _read_scalars(record.scalars)
         parts = [HostStats.from_device(g.stats) for g in record.groups]
         if parts:
             merged = HostStats.concat(parts)
@@ -298,36 +526,95 @@ class Recorder:
         names = [""]
         dtypes = [record.amp_dtype]
         numels = [int(sum(g.numels.sum() for g in record.groups))]
-        kinds = ["step"]
         stats = [total]
         if record.per_tensor and merged is not None:
             for g in record.groups:
                 names.extend(g.names)
                 dtypes.extend([g.dtype] * len(g.names))
                 numels.extend(g.numels.tolist())
-            kinds.extend(["param_grad"] * (len(names) - 1))
             stats.append(merged)
-        n = len(names)
-        s = HostStats.concat(stats)
-        loss_col = np.empty(n, dtype=object)
-        loss_col[0] = loss
-        block = {
-            "step": np.full(n, record.step, dtype=np.int64),
-            "rank": np.full(n, record.rank, dtype=np.int32),
-            "kind": np.array(kinds, dtype=object),
-            "name": np.array(names, dtype=object),
-            "order": np.full(n, None, dtype=object),
-            "dtype": np.array(dtypes, dtype=object),
-            "numel": np.array(numels, dtype=np.int64),
-            "scale": np.full(n, scale, dtype=np.float32),
-            "skipped": np.full(n, skipped, dtype=bool),
-            "loss": loss_col,
-            "amax": s.amax, "amin": s.amin, "l2": s.l2,
-            "n_zero": s.n_zero, "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf,
-            "hist": s.hist,
-        }
+        kinds = ["step"] + ["param_grad"] * (len(names) - 1)
+        common = dict(step=record.step, rank=record.rank, scale=scale, skipped=skipped)
+        blocks = [_block(**common, kinds=kinds, names=names, dtypes=dtypes, numels=numels,
+                         stats=_stat_columns(HostStats.concat(stats)), losses=[loss])]
+        if record.taps:
+            taps = record.taps
+            blocks.append(_block(
+                **common, kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
+                dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps],
+                stats=_stat_columns(HostStats.concat([HostStats.from_device(t.stats) for t in taps])),
+                **_call_columns(taps)))
         anomaly = skipped or (loss is not None and not np.isfinite(loss))
-        return block, n, anomaly
+        return blocks, anomaly
+
+    def _light_rows(self, light: LightStep, rank: int) -> tuple[dict[str, np.ndarray], int]:
+        """A flight-recorder step: only ``amax`` is measured, as the peak magnitude (NaN or inf
+        when the tensor held one); the other statistics are null."""
+        scale, skipped, loss = _read_scalars(light.scalars)
+        taps = light.taps
+        peaks = light.peaks.numpy().astype(np.float32)
+        inv = np.float32(1.0 / np.float64(scale))  # as torch's unscale_: fp32 1/scale
+        grads = np.array([t.kind == "grad_output" for t in taps])
+        with np.errstate(over="ignore", invalid="ignore"):
+            amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
+        n = len(taps)
+        nulls = np.full(n, None, dtype=object)
+        stats = {"amax": amax, "amin": nulls, "l2": nulls, "n_zero": nulls, "n_subnormal": nulls,
+                 "n_nan": nulls, "n_inf": nulls, "hist": nulls}
+        return _block(step=light.step, rank=rank, scale=scale, skipped=skipped,
+                      kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
+                      dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps], stats=stats,
+                      **_call_columns(taps))
+
+
+def _read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None]:
+    """(scale, skipped, loss or None) from a host copy of before_update's snapshot."""
+    if scalars is None:
+        return 1.0, False, None
+    scale, found_inf, loss, has_loss = (float(v) for v in scalars.tolist())
+    return scale, found_inf > 0, (loss if has_loss else None)
+
+
+def _objects(n: int, values=None) -> np.ndarray:
+    """An object column of ``n`` entries (None where ``values`` has none)."""
+    out = np.full(n, None, dtype=object)
+    if values is not None:
+        for i, v in enumerate(values):
+            out[i] = v
+    return out
+
+
+def _stat_columns(s: HostStats) -> dict[str, np.ndarray]:
+    return {"amax": s.amax, "amin": s.amin, "l2": s.l2, "n_zero": s.n_zero,
+            "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf, "hist": s.hist}
+
+
+def _call_columns(taps: list[TapObservation]) -> dict[str, list]:
+    return {"orders": [t.order for t in taps], "calls": [t.call.call for t in taps],
+            "parents": [t.call.parent for t in taps], "inputs": [list(t.call.inputs) for t in taps]}
+
+
+def _block(*, step: int, rank: int, scale: float, skipped: bool, kinds: list[str], names: list[str],
+           dtypes: list[str], numels: list[int], stats: dict[str, np.ndarray], losses=None,
+           orders=None, calls=None, parents=None, inputs=None) -> tuple[dict[str, np.ndarray], int]:
+    """One block of rows with every column of the schema."""
+    n = len(kinds)
+    return {
+        "step": np.full(n, step, dtype=np.int64),
+        "rank": np.full(n, rank, dtype=np.int32),
+        "kind": np.array(kinds, dtype=object),
+        "name": np.array(names, dtype=object),
+        "order": _objects(n, orders),
+        "dtype": np.array(dtypes, dtype=object),
+        "numel": np.array(numels, dtype=np.int64),
+        "scale": np.full(n, scale, dtype=np.float32),
+        "skipped": np.full(n, skipped, dtype=bool),
+        "loss": _objects(n, losses),
+        **stats,
+        "call": _objects(n, calls),
+        "parent": _objects(n, parents),
+        "inputs": _objects(n, inputs),
+    }, n
 
 
 def _empty_stats(bins: int) -> HostStats:

@@ -96,9 +96,13 @@ def read_run(path: str | os.PathLike) -> Run:
         raise RunError(f"{root}: no readable segments ({'; '.join(problems)})")
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
     try:
-        frame = pa.concat_tables(tables).to_pandas()
+        table = pa.concat_tables(tables)
+        frame = table.to_pandas()
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise RunError(f"{root}: segments do not share one schema ({exc})") from None
+    if "loss" in table.column_names:
+        # Arrow-backed so that a NaN loss (non-finite) stays distinct from a null (not recorded).
+        frame["loss"] = table.column("loss").to_pandas(types_mapper=pd.ArrowDtype)
     if frame.empty:
         raise RunError(f"{root}: empty run, no steps were recorded")
     frame.attrs.update({"metadata": segments[0].metadata, "warnings": list(problems)})

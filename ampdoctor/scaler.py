@@ -40,7 +40,7 @@ class _Recording:
         scaled = super().scale(outputs)
         rec = self.recorder
         if rec is not None:
-            rec.observe_loss(outputs)
+            rec.observe_loss(outputs, self._scale if self._enabled else None)
         return scaled
 
     def _observe_scaled_grads(self, optimizer: torch.optim.Optimizer) -> None:
@@ -90,7 +90,7 @@ class _Recording:
         super().load_state_dict(state_dict)
         rec = self.recorder
         if rec is not None and _STEP_KEY in state_dict:
-            rec.step = int(state_dict[_STEP_KEY])
+            rec.set_step(int(state_dict[_STEP_KEY]))
 
     def close(self) -> None:
         """Flush and finish the run; the scaler keeps working (without recording). Idempotent."""

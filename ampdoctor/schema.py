@@ -46,11 +46,18 @@ def run_schema(hist_bins: int = HIST_BINS, metadata: dict[str, str] | None = Non
         pa.field("amax", pa.float32()),
         pa.field("amin", pa.float32()),
         pa.field("l2", pa.float32()),
-        pa.field("n_zero", pa.int64(), nullable=False),
-        pa.field("n_subnormal", pa.int64(), nullable=False),
-        pa.field("n_nan", pa.int64(), nullable=False),
-        pa.field("n_inf", pa.int64(), nullable=False),
+        # Counts are null only on light module rows (flight recorder: only `amax` is measured).
+        pa.field("n_zero", pa.int64()),
+        pa.field("n_subnormal", pa.int64()),
+        pa.field("n_nan", pa.int64()),
+        pa.field("n_inf", pa.int64()),
         pa.field("hist", pa.list_(pa.int32(), hist_bins)),
+        # Module rows (`output`, `grad_output`) only: the module call's number in the step (in the
+        # order calls began), its enclosing tapped call, and the calls whose returned tensors it
+        # received as arguments. Null on other rows.
+        pa.field("call", pa.int32()),
+        pa.field("parent", pa.int32()),
+        pa.field("inputs", pa.list_(pa.int32())),
     ]
     return pa.schema(fields, metadata=metadata)
 

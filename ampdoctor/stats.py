@@ -248,6 +248,13 @@ def _accumulate(flat, seg, segments, inv_scale, subnormal_below, min_exp, bins,
         sumsq[slot] += torch.linalg.vector_norm(finite_values[part], dtype=torch.float64).square()
 
 
+def peak_magnitude(tensor: torch.Tensor) -> torch.Tensor:
+    """``max |tensor|`` as a 0-dim float32 tensor: NaN if any element is NaN, else inf if any is
+    inf. One reduction and no sync: the every-step non-finite check of module taps. ``tensor``
+    must not be empty (the max of nothing is undefined)."""
+    return torch.linalg.vector_norm(tensor.detach(), ord=float("inf"), dtype=torch.float32)
+
+
 def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
     if index.device.type == "cpu":
         return torch.bincount(index, minlength=length)  # int32 codes are fine here

@@ -49,7 +49,6 @@ class Columns:
         for key, values in block.items():
             self.data.setdefault(key, []).append(values)
         self.rows += n
-        self.records += 1
 
     def to_table(self, schema: pa.Schema) -> pa.Table:
         arrays = []
@@ -57,6 +56,9 @@ class Columns:
             parts = self.data.get(f.name, [])
             if f.name == "hist":
                 arrays.append(_hist_array(parts, f.type))
+            elif pa.types.is_list(f.type):  # object blocks of int lists or None
+                values = np.concatenate(parts) if parts else np.array([], dtype=object)
+                arrays.append(pa.array(values.tolist(), type=f.type))
             elif pa.types.is_dictionary(f.type):
                 values = np.concatenate(parts) if parts else np.array([], dtype=object)
                 arrays.append(pa.array(values, type=pa.string()).dictionary_encode())
@@ -89,7 +91,8 @@ def _hist_array(parts: list[np.ndarray], type_: pa.FixedSizeListType) -> pa.Arra
 class RunWriter:
     """Writes one process's rows of a run into the run directory ``path``.
 
-    ``materialize(record)`` runs on the worker thread and returns ``(columns, n_rows, anomaly)``;
+    ``materialize(record)`` runs on the worker thread and returns ``([(columns, n_rows), ...], anomaly)``
+    (every block holds every column);
     it is where device results are waited for and read. Nothing here syncs the training thread.
     """
 
@@ -98,7 +101,7 @@ class RunWriter:
         path: str | os.PathLike,
         *,
         metadata: Callable[[], dict[str, str]],
-        materialize: Callable[[Any], tuple[dict[str, np.ndarray], int, bool]],
+        materialize: Callable[[Any], tuple[list[tuple[dict[str, np.ndarray], int]], bool]],
         rank: int = 0,
         hist_bins: int,
         flush_every: int = 1000,
@@ -185,8 +188,10 @@ class RunWriter:
             self._pending = Columns()
 
     def _add(self, record: Any) -> None:
-        block, n, anomaly = self._materialize(record)
-        self._pending.append(block, n)
+        blocks, anomaly = self._materialize(record)
+        for block, n in blocks:
+            self._pending.append(block, n)
+        self._pending.records += 1
         due = (self._pending.rows and (
             anomaly or self._pending.records >= self._flush_every
             or time.monotonic() - self._last_flush >= self._flush_seconds))

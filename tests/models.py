@@ -53,3 +53,132 @@ def mse(model, x, y, dtype=torch.float16, device="cpu"):
     with torch.autocast(device, dtype=dtype):
         out = model(x)
     return F.mse_loss(out.float(), y)
+
+
+# -- models for the module taps (tests/test_hooks.py, tests/test_origins.py) -------------------
+
+class Amplify(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor`` (1e8 overflows fp16)."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()  # not a view: in-place ops after it stay legal
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class Gain(nn.Module):
+    """Multiplies by a settable gain (a learned-temperature stand-in); keeps the input dtype."""
+
+    def __init__(self, gain: float = 1.0) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class Boom(nn.Module):
+    """A named submodule whose backward multiplies its gradient by ``factor``. With ``child``,
+    the amplification is applied to its own Linear's output (so the first non-finite gradient
+    is that child's output gradient); without, to its input."""
+
+    def __init__(self, d: int, child: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d) if child else None
+        self.factor = 1.0
+
+    def forward(self, x):
+        return Amplify.apply(self.lin(x) if self.lin is not None else x, self.factor)
+
+
+class Inner(nn.Module):
+    def __init__(self, d: int, child: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(d, d)
+        self.gain = Gain()
+        self.boom = Boom(d, child)
+
+    def forward(self, x):
+        return self.boom(self.gain(self.pre(x)))
+
+
+class Block(nn.Module):
+    """ResNet-style: an in-place residual add, then an in-place ReLU, on the inner output."""
+
+    def __init__(self, d: int, child: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.inner = Inner(d, child)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.inner(self.norm(x))
+        h += x
+        return self.act(h)
+
+
+class DeepNet(nn.Module):
+    """``blocks.1.inner.boom`` sits three levels deep, followed by an in-place residual add and
+    an in-place ReLU; ``blocks.{i}.inner.gain`` can make an fp16 output overflow."""
+
+    def __init__(self, d: int = 16, depth: int = 2, child: bool = True, d_out: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d, child) for _ in range(depth))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class CallAmplifier(nn.Module):
+    """Like Boom, but amplifies only on call ``fire_on`` of each forward (``calls`` is reset by
+    its owner)."""
+
+    def __init__(self, fire_on: int = 1) -> None:
+        super().__init__()
+        self.factor = 1.0
+        self.fire_on = fire_on
+        self.calls = 0
+
+    def forward(self, x):
+        factor = self.factor if self.calls == self.fire_on else 1.0
+        self.calls += 1
+        return Amplify.apply(x, factor)
+
+
+class SharedNet(nn.Module):
+    """``shared`` is called twice per forward: ``tanh(inp) → shared → mid → shared → head``."""
+
+    def __init__(self, d: int = 16, d_out: int = 4, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.shared = shared if shared is not None else Gain()
+        self.mid = Gain()
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        if isinstance(self.shared, CallAmplifier):
+            self.shared.calls = 0
+        x = torch.tanh(self.inp(x))
+        return self.head(self.shared(self.mid(self.shared(x))))
+
+
+def fit(model: nn.Module, scaler, data, *, before_step=None, dtype=torch.float16, lr: float = 0.01):
+    """The plain AMP loop on the CPU: forward under autocast, scaled backward, step, update."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for i, (x, y) in enumerate(data):
+        if before_step is not None:
+            before_step(i)
+        scaler.scale(mse(model, x, y, dtype)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return model

@@ -9,7 +9,8 @@ import torch
 
 import ampdoctor
 from ampdoctor.run import read_run
-from models import MLP, batches, mse
+from ampdoctor.reports.origins import find_origins
+from models import MLP, DeepNet, batches, mse
 
 pytestmark = pytest.mark.cuda
 
@@ -36,11 +37,13 @@ def _train(make_scaler, optimizer_kw, steps=12, inject=None):
 
 
 @pytest.mark.parametrize("optimizer_kw", [{}, {"foreach": True}, {"fused": True}], ids=["default", "foreach", "fused"])
-def test_bit_for_bit_on_cuda(optimizer_kw, run_path):
+@pytest.mark.parametrize("level", ["params", "full"])
+def test_bit_for_bit_on_cuda(optimizer_kw, level, run_path):
     kw = dict(init_scale=2.0**20, growth_interval=3)
     inject = {3: float("inf"), 6: float("nan")}
     expected = _train(lambda m: torch.amp.GradScaler("cuda", **kw), optimizer_kw, inject=inject)
-    got = _train(lambda m: ampdoctor.GradScaler("cuda", model=m, path=run_path, **kw), optimizer_kw, inject=inject)
+    got = _train(lambda m: ampdoctor.GradScaler("cuda", model=m, path=run_path, level=level, every=2, **kw),
+                 optimizer_kw, inject=inject)
     for a, b in zip(expected[0], got[0]):
         assert torch.equal(a, b)
     assert expected[1:] == got[1:]
@@ -76,8 +79,26 @@ def _syncs_per_step(make_scaler, steps=6, warmup=3):
 
 def test_no_extra_sync_per_step(tmp_path):
     plain = _syncs_per_step(lambda m: torch.amp.GradScaler("cuda"))
-    for level in ("steps", "params"):
+    for level in ("steps", "params", "full"):
         recorded = _syncs_per_step(lambda m: ampdoctor.GradScaler(
-            "cuda", model=m, path=tmp_path / f"{level}.parquet", level=level))
+            "cuda", model=m, path=tmp_path / f"{level}.parquet", level=level, every=2))
         assert recorded == plain, (level, recorded, plain)
     assert all(c >= 1 for c in plain)  # torch's own found_inf read is seen, so the counter works
+
+
+def test_overflow_origin_on_cuda(run_path):
+    """The CPU origin test on the GPU: anomalies are seen one step late there (event.query)."""
+    torch.manual_seed(0)
+    model = DeepNet().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    boom = model.blocks[1].inner.boom
+    with ampdoctor.GradScaler("cuda", model=model, path=run_path, level="full", every=100,
+                              init_scale=2.0**10) as scaler:
+        for i, (x, y) in enumerate(batches(8)):
+            boom.factor = 1e8 if i == 5 else 1.0
+            scaler.scale(mse(model, x.cuda(), y.cuda(), device="cuda")).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    (o,) = find_origins(ampdoctor.load(run_path))
+    assert o.step == 5 and o.detail == "light" and o.overflow.name == "blocks.1.inner.boom"

@@ -169,6 +169,17 @@ def test_bit_for_bit(case, dtype, run_path):
     assert_recorded(run_path, got)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES)
+def test_bit_for_bit_with_module_taps(case, dtype, run_path):
+    """level="full": every module tapped, full statistics every 3rd step, peaks in between."""
+    expected = train(case, plain(), dtype=dtype)
+    got = train(case, recording(run_path, level="full", every=3), dtype=dtype)
+    assert_identical(expected, got)
+    assert_recorded(run_path, got)
+    assert {"output", "grad_output"} <= set(read_run(run_path).frame.kind)
+
+
 def test_cases_exercise_the_scaler():
     """Guard against a harness where nothing interesting happens: skips, growth, backoff."""
     out = train("injected", plain())
@@ -331,10 +342,16 @@ def test_every_and_level(tmp_path):
         train("basic", recording(path, **options))
         return read_run(path).frame
 
-    sampled = run(every=4)
+    sampled = run(every=4, escalate_steps=0)
     assert sorted(sampled.query("kind == 'param_grad'").step.unique()) == [0, 4, 8]
     assert (sampled.kind == "step").sum() == STEPS
-    steps_only = run(level="steps")
+    # After a skipped step, the next escalate_steps steps get per-parameter rows too.
+    escalated = run(every=4, escalate_steps=2)
+    frame = escalated.query("kind == 'step'")
+    skipped = set(frame[frame.skipped].step)
+    expected = {s for s in range(STEPS) if s % 4 == 0} | {s + k for s in skipped for k in (1, 2)}
+    assert skipped and set(escalated.query("kind == 'param_grad'").step) == expected & set(range(STEPS))
+    steps_only = run(level="steps", escalate_steps=0)
     assert set(steps_only.kind) == {"step"} and len(steps_only) == STEPS
     # The step row holds the whole model's gradient statistics at every level.
     full = run()

@@ -1,0 +1,314 @@
+"""Module taps: forward activations and gradients w.r.t. module outputs, in execution order.
+
+Mechanism. Each selected module gets a forward pre-hook and a forward hook (``always_call``, so a
+forward that raises cannot unbalance the call stack). The forward hook hands each floating-point
+output tensor to the sink and registers a *tensor* hook on it when it requires grad. A tensor hook
+receives the gradient w.r.t. the value the module returned even when that tensor is modified in
+place afterwards (``ReLU(inplace=True)``, ``x += residual``): autograd gives hooks registered before
+an in-place op the gradient of the pre-op value. Module *full* backward hooks are not used: they
+route outputs through a custom autograd Function, which makes them views that in-place ops refuse
+to modify.
+
+Structure. Every call of a tapped module gets a number (``call``, in the order calls begin), its
+``parent`` (the innermost tapped call it ran inside) and its ``inputs``: the tapped calls whose
+returned tensor it received, either unmodified (same object, same version) or through untapped
+operations (``torch.tanh(x)``, ``h += x``, a reshape), found by walking back a few autograd nodes
+to the nodes of tapped outputs. These are the facts the analysis needs to name the module whose
+backward produced a gradient (:mod:`ampdoctor.reports.origins`).
+
+Lifetime. Nothing here holds a tensor: returned tensors are remembered through weak references for
+the ``inputs`` facts, and tensor hooks capture only the call's facts. ``remove()`` removes every
+module hook and turns the tensor hooks still attached to live tensors into no-ops.
+
+Under ``torch.compile`` the hooks return at once (``torch.compiler.is_compiling()``), so dynamo
+traces them as no-ops and the compiled graph is what it would be without them.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol, Union
+
+import torch
+from torch import nn
+
+ROOT_NAME = "(model)"  # the name rows of the model itself carry (its qualified name is "")
+
+# Modules that only hold other modules: tapping them would repeat their last child's rows.
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+ModuleFilter = Union[None, str, "re.Pattern[str]", type, Iterable[Union[str, "re.Pattern[str]", type]],
+                     Callable[[str, nn.Module], bool]]
+
+_MAX_REMEMBERED = 1 << 16  # returned-tensor entries kept for the ``inputs`` facts before pruning
+_MAX_WALK = 64             # autograd nodes visited per input when looking for its tapped sources
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """The structural facts of one call of a tapped module."""
+
+    name: str
+    call: int
+    parent: int | None
+    inputs: tuple[int, ...]
+    module_id: int
+
+
+class TapSink(Protocol):
+    def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (OptimizedModule) holds, or ``model`` itself."""
+    return getattr(model, "_orig_mod", model)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``torch.compile`` wrapper or contains a module compiled in place."""
+    if model is not unwrap_compiled(model):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs to tap, in ``named_modules()`` order.
+
+    ``modules=None`` taps every module except pure containers (Sequential, ModuleList, ...): leaves
+    and blocks. Otherwise: a regular expression (``str`` or compiled) that must match the whole
+    qualified name, a module type, a list mixing those, or a callable ``(name, module) -> bool``.
+    The model itself is named ``"(model)"``.
+    """
+    match = _matcher(modules)
+    return [(name or ROOT_NAME, m) for name, m in unwrap_compiled(model).named_modules()
+            if match(name or ROOT_NAME, m)]
+
+
+def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:
+    if modules is None:
+        return lambda name, m: not isinstance(m, CONTAINERS)
+    if isinstance(modules, (str, re.Pattern)):
+        pattern = re.compile(modules)
+        return lambda name, m: pattern.fullmatch(name) is not None
+    if isinstance(modules, type):
+        return lambda name, m: isinstance(m, modules)
+    if callable(modules):
+        return lambda name, m: bool(modules(name, m))
+    try:
+        items = list(modules)
+    except TypeError:
+        raise TypeError(f"modules must be a regex, a module type, a list of those or a callable, "
+                        f"got {type(modules).__name__}") from None
+    if any(not isinstance(item, (str, re.Pattern, type)) for item in items):
+        raise TypeError("a modules list may hold regular expressions and module types only")
+    parts = [_matcher(item) for item in items]
+    return lambda name, m: any(p(name, m) for p in parts)
+
+
+def float_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The non-empty floating-point dense tensors in a (nested) tuple / list / dict output."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.layout == torch.strided and value.numel():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from float_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from float_tensors(v)
+
+
+def _all_tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _all_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _all_tensors(v)
+
+
+class ModuleTaps:
+    """Forward and gradient taps on the selected modules of one model; feeds a :class:`TapSink`.
+
+    Hooks never sync: they only hand tensors to the sink, which queues device work."""
+
+    def __init__(self, model: nn.Module, modules: ModuleFilter, sink: TapSink) -> None:
+        self.targets = select_modules(model, modules)
+        self._sink = sink
+        self._handles: list[Any] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()  # per-thread call stack (recomputation runs in backward)
+        self.enabled = False
+        self.reset()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        """Register the module hooks (between iterations). Idempotent."""
+        if self._handles:
+            return
+        try:
+            for name, module in self.targets:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._pre_hook(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    self._post_hook(), with_kwargs=True, always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+        self.enabled = True
+
+    def remove(self) -> None:
+        """Remove every module hook; tensor hooks still on live tensors become no-ops. Idempotent."""
+        self.enabled = False
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def reset(self) -> None:
+        """Start a new step: numbering restarts, remembered tensors are forgotten."""
+        with self._lock:
+            self.calls = 0
+            self._forward_order = 0
+            self._backward_order = 0
+            self._returned: dict[int, list[tuple[weakref.ref, int, int]]] = {}
+            self._node_calls: dict[tuple[int, int], list[int]] = {}  # autograd node key -> calls
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _stack(self) -> list[ModuleCall]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _pre_hook(self, name: str):
+        def before_forward(module, args, kwargs):
+            if torch.compiler.is_compiling() or not self.enabled:
+                return None
+            try:
+                stack = self._stack()
+                with self._lock:
+                    call = self.calls
+                    self.calls += 1
+                stack.append(ModuleCall(name, call, stack[-1].call if stack else None,
+                                        self._sources((args, kwargs)), id(module)))
+            except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
+                self._sink.fail(exc)
+            return None
+
+        return before_forward
+
+    def _post_hook(self):
+        def after_forward(module, args, kwargs, output):
+            if torch.compiler.is_compiling() or not self.enabled:
+                return None
+            try:
+                stack = self._stack()
+                if not stack or stack[-1].module_id != id(module):
+                    return None  # installed while this module was running
+                info = stack.pop()
+                if output is None:
+                    return None  # forward raised (always_call) or returned nothing
+                # Inside backward this is a checkpoint recomputation: its forward was observed
+                # when it first ran; its outputs still get gradient taps (reentrant checkpointing
+                # backpropagates through the recomputed graph).
+                recomputing = _current_graph_task_id() != -1
+                for t in float_tensors(output):
+                    if not recomputing:
+                        self._sink.observe_tap("output", info, self._next_forward(), t)
+                    self._remember(t, info.call)
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(info))
+            except Exception as exc:  # noqa: BLE001
+                self._sink.fail(exc)
+            return None
+
+        return after_forward
+
+    def _grad_hook(self, info: ModuleCall):
+        def on_gradient(grad):
+            if torch.compiler.is_compiling() or not self.enabled:
+                return None
+            try:
+                if grad is not None and grad.layout == torch.strided and grad.numel():
+                    self._sink.observe_tap("grad_output", info, self._next_backward(), grad)
+            except Exception as exc:  # noqa: BLE001
+                self._sink.fail(exc)
+            return None  # never changes the gradient
+
+        return on_gradient
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _next_forward(self) -> int:
+        with self._lock:
+            order = self._forward_order
+            self._forward_order += 1
+        return order
+
+    def _next_backward(self) -> int:
+        with self._lock:
+            order = self._backward_order
+            self._backward_order += 1
+        return order
+
+    def _remember(self, t: torch.Tensor, call: int) -> None:
+        """Note that ``call`` returned ``t`` (at its current version)."""
+        with self._lock:
+            entries = self._returned.get(id(t))
+            if entries is None or entries[0][0]() is not t:  # new tensor (or a reused id)
+                if len(self._returned) >= _MAX_REMEMBERED:
+                    self._returned = {k: v for k, v in self._returned.items() if v[0][0]() is not None}
+                entries = self._returned[id(t)] = []
+            entries.append((weakref.ref(t), t._version, call))
+            if t.grad_fn is not None:
+                if len(self._node_calls) >= _MAX_REMEMBERED:
+                    self._node_calls = {}
+                self._node_calls.setdefault(_node_key(t.grad_fn), []).append(call)
+
+    def _sources(self, value: Any) -> tuple[int, ...]:
+        """The tapped calls whose returned tensors reach the tensors in ``value``."""
+        found: set[int] = set()
+        with self._lock:
+            for t in _all_tensors(value):
+                direct = [call for ref, version, call in self._returned.get(id(t), ())
+                          if ref() is t and version == t._version]
+                if direct:
+                    found.update(direct)
+                elif t.grad_fn is not None:
+                    found.update(self._upstream_calls(t.grad_fn))
+        return tuple(sorted(found))
+
+    def _upstream_calls(self, node) -> set[int]:
+        """Breadth-first from ``node`` through untapped autograd nodes, stopping at the nodes of
+        tapped outputs; visits at most _MAX_WALK nodes. Holds no node after returning."""
+        calls: set[int] = set()
+        queue, seen = [node], {id(node)}
+        for _ in range(_MAX_WALK):
+            if not queue:
+                break
+            current = queue.pop(0)
+            hit = self._node_calls.get(_node_key(current))
+            if hit is not None:
+                calls.update(hit)
+                continue
+            for nxt, _ in current.next_functions:
+                if nxt is not None and id(nxt) not in seen:
+                    seen.add(id(nxt))
+                    queue.append(nxt)
+        return calls
+
+
+def _node_key(node) -> tuple[int, int]:
+    """Identifies an autograd node without holding it (nodes cannot be weakly referenced): its
+    sequence number, unique per thread, and the thread-independent part of its type."""
+    return node._sequence_nr(), hash(type(node).__name__)

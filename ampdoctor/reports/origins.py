@@ -1,0 +1,218 @@
+"""Where the non-finite values of an anomalous step came from (DESIGN.md, numerics glossary).
+
+* The **forward origin** of a step is the first module, in forward execution order, with a
+  non-finite output. A module's output row is written when it returns, so a child comes before
+  the block that contains it and the first module that *sees* a NaN input is named, not the
+  modules after it.
+* The **overflow origin** is the first place in backward order where a non-finite gradient
+  appears while everything before it was finite, named as the module whose backward produced it.
+  The first non-finite ``grad_output`` row is the gradient w.r.t. some call P's output; it was
+  produced by the backward of P's consumer: the innermost tapped call that received P's returned
+  tensor as an argument, or, when only P's enclosing module's own code used it, that enclosing
+  module. A non-finite parameter gradient whose module's output gradients were all finite (a
+  weight gradient that overflowed in its own reduction) is produced by its module's backward,
+  just after that module's output gradient arrived; whichever of the two came first wins.
+  A step with a forward origin gets no overflow origin: every gradient after a non-finite loss
+  is a consequence.
+
+Pure functions of a run's DataFrame; rows with null counts are light (flight-recorder) rows,
+whose ``amax`` is the peak magnitude (NaN or inf when the tensor held one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
+
+
+@dataclass(frozen=True)
+class Origin:
+    name: str              # the module (or OUTSIDE)
+    kind: str              # "output" (forward), "grad_output" or "param_grad" (backward)
+    rank: int
+    step: int
+    call: int | None       # the module call's number in the step
+    occurrence: int | None  # which call of this module in the step: 0 for the first
+    order: int | None      # forward or backward order of the first non-finite row
+    tensor: str            # that row: a module name (its output or output gradient) or a parameter
+
+
+@dataclass(frozen=True)
+class StepOrigins:
+    rank: int
+    step: int
+    skipped: bool
+    loss: float | None
+    detail: str | None     # module rows at this step: "full", "light" (flight recorder) or None
+    forward: Origin | None
+    overflow: Origin | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def nonfinite_rows(frame: pd.DataFrame) -> pd.Series:
+    """Whether each row saw a NaN or an inf (light rows: a non-finite peak magnitude)."""
+    counts = frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)
+    light = frame["n_nan"].isna()
+    amax = frame["amax"].astype(float)
+    return (counts > 0) | (light & ~np.isfinite(amax.fillna(0.0)))
+
+
+def find_origins(frame: pd.DataFrame) -> list[StepOrigins]:
+    """Origins of every anomalous step (skipped, non-finite loss, or a non-finite observation),
+    per rank, in (step, rank) order."""
+    if frame.empty:
+        return []
+    bad = nonfinite_rows(frame)
+    steps = frame[frame["kind"] == "step"]
+    loss_recorded = steps["loss"].notna()  # null: no loss was recorded; NaN: a NaN loss
+    loss = steps["loss"].astype("float64")
+    flagged = steps[steps["skipped"] | (loss_recorded & ~np.isfinite(loss))]
+    keys = set(zip(flagged["step"], flagged["rank"]))
+    keys |= set(zip(frame.loc[bad & (frame["kind"] != "step"), "step"],
+                    frame.loc[bad & (frame["kind"] != "step"), "rank"]))
+    if not keys:
+        return []
+    marked = frame.assign(_bad=bad)
+    groups = marked[marked.set_index(["step", "rank"]).index.isin(list(keys))].groupby(["step", "rank"])
+    return [_step_origins(int(step), int(rank), rows) for (step, rank), rows in sorted(groups)]
+
+
+def _step_origins(step: int, rank: int, rows: pd.DataFrame) -> StepOrigins:
+    step_row = rows[rows["kind"] == "step"]
+    skipped = bool(step_row["skipped"].iloc[0]) if len(step_row) else False
+    loss = _float(step_row["loss"].iloc[0]) if len(step_row) else None
+    modules = rows[rows["kind"].isin(["output", "grad_output"])]
+    detail = None
+    if len(modules):
+        detail = "light" if modules["n_nan"].isna().all() else "full"
+    calls = _CallTable(modules)
+    forward = _forward_origin(step, rank, modules, calls)
+    overflow = None if forward is not None else _overflow_origin(step, rank, rows, modules, calls)
+    return StepOrigins(rank, step, skipped, loss, detail, forward, overflow)
+
+
+def _forward_origin(step, rank, modules, calls) -> Origin | None:
+    outputs = modules[(modules["kind"] == "output") & modules["_bad"]].sort_values("order")
+    if outputs.empty:
+        return None
+    r = outputs.iloc[0]
+    call = int(r["call"])
+    return Origin(r["name"], "output", rank, step, call, calls.occurrence(call), int(r["order"]), r["name"])
+
+
+def _overflow_origin(step, rank, rows, modules, calls) -> Origin | None:
+    candidates: list[tuple[float, Origin]] = []
+    grads = modules[modules["kind"] == "grad_output"].sort_values("order")
+    bad_grads = grads[grads["_bad"]]
+    if len(bad_grads):
+        r = bad_grads.iloc[0]
+        producer = calls.producer_of(int(r["call"]), r["order"], grads)
+        name = calls.name(producer) if producer is not None else OUTSIDE
+        candidates.append((r["order"] - 0.5, Origin(
+            name, "grad_output", rank, step, producer,
+            calls.occurrence(producer) if producer is not None else None, int(r["order"]), r["name"])))
+    params = rows[(rows["kind"] == "param_grad") & rows["_bad"]]
+    if len(params):
+        first_grad = grads.groupby("name")["order"].min() if len(grads) else pd.Series(dtype=float)
+        module_names = set(modules["name"])
+        for pname in params["name"]:
+            owner = _owner_module(pname, module_names)
+            when = first_grad.get(owner, math.inf) + 0.5
+            owner_call = calls.first_call(owner)
+            candidates.append((when, Origin(
+                owner, "param_grad", rank, step, owner_call,
+                calls.occurrence(owner_call) if owner_call is not None else None, None, pname)))
+    if not candidates:
+        return None
+    return min(candidates, key=lambda c: c[0])[1]
+
+
+def _owner_module(param: str, module_names: set[str]) -> str:
+    """The longest tapped module name that is a prefix of ``param``; else the parameter's own
+    module path (``a.b.weight`` → ``a.b``)."""
+    parts = param.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in module_names:
+            return prefix
+    return ".".join(parts[:-1]) or param
+
+
+class _CallTable:
+    """The calls of one step: name, parent and inputs, from the module rows."""
+
+    def __init__(self, modules: pd.DataFrame) -> None:
+        self._name: dict[int, str] = {}
+        self._parent: dict[int, int | None] = {}
+        self._inputs: dict[int, tuple[int, ...]] = {}
+        for call, name, parent, inputs in zip(modules["call"], modules["name"], modules["parent"],
+                                              modules["inputs"]):
+            if call is None or pd.isna(call):
+                continue
+            call = int(call)
+            self._name[call] = name
+            self._parent[call] = None if parent is None or pd.isna(parent) else int(parent)
+            self._inputs[call] = tuple(int(i) for i in inputs) if inputs is not None else ()
+        forward_calls = modules.loc[modules["kind"] == "output", ["name", "call"]].dropna()
+        # Occurrences count the calls that ran forward (a reentrant checkpoint's recomputation
+        # adds calls with gradient rows only).
+        source = forward_calls if len(forward_calls) else modules[["name", "call"]].dropna()
+        self._occurrence: dict[int, int] = {}
+        for _, calls in source.groupby("name"):
+            for k, c in enumerate(sorted({int(c) for c in calls["call"]})):
+                self._occurrence[c] = k
+
+    def name(self, call: int) -> str:
+        return self._name[call]
+
+    def occurrence(self, call: int | None) -> int | None:
+        return None if call is None else self._occurrence.get(call)
+
+    def first_call(self, name: str) -> int | None:
+        calls = [c for c, n in self._name.items() if n == name]
+        return min(calls) if calls else None
+
+    def _is_ancestor(self, a: int, b: int) -> bool:
+        p = self._parent.get(b)
+        while p is not None:
+            if p == a:
+                return True
+            p = self._parent.get(p)
+        return False
+
+    def producer_of(self, call: int, order: float, grads: pd.DataFrame) -> int | None:
+        """The call whose backward produced the gradient w.r.t. ``call``'s output, which arrived
+        at backward position ``order``; None when no tapped module's code did."""
+        first_seen = grads.groupby("call")["order"].min() if len(grads) else pd.Series(dtype=float)
+        current = call
+        while True:
+            consumers = [c for c, inputs in self._inputs.items() if current in inputs]
+            innermost = [c for c in consumers
+                         if not any(self._is_ancestor(c, o) for o in consumers if o != c)]
+            if innermost:
+                # Several unrelated consumers (a tensor used twice): the one whose backward
+                # began last, i.e. whose output gradient arrived latest.
+                return max(innermost, key=lambda c: (first_seen.get(c, -math.inf), -c))
+            parent = self._parent.get(current)
+            if parent is None:
+                return None
+            if first_seen.get(parent, -math.inf) < order:
+                return parent  # the enclosing module's own code used it, in its backward
+            # The parent's output gradient came later: it returned this very tensor as its own,
+            # so whoever consumed the parent's output produced the gradient.
+            current = parent
+
+
+def _float(value) -> float | None:
+    """A recorded float (NaN stays NaN), or None when null."""
+    if value is None or value is pd.NA:
+        return None
+    return float(value)
