@@ -10,7 +10,7 @@ once and stops recording, and is raised (as :class:`RecorderError`) only with ``
 Module taps (``level="full"``, or an escalation) call ``observe_tap`` from forward and gradient
 hooks (:mod:`ampdoctor.hooks`). On detailed steps (every ``every`` steps, and the ``escalate_steps``
 after an anomaly) each tapped tensor gets the full statistics; on the other steps it gets one
-reduction, its peak magnitude, which is enough to see every non-finite value. The peaks of the last
+reduction, its min and max (hence its peak magnitude), which is enough to see every non-finite value. The peaks of the last
 ``flight_steps`` steps stay on the device (the flight recorder) and are written out only when an
 anomaly is seen: a skipped step, a non-finite loss, or the scale falling below ``scale_floor``.
 Anomalies are read from the pinned copy of each step's scalars once its event has completed
@@ -40,7 +40,7 @@ from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleFilter, ModuleTaps, is_compiled, unwrap_compiled
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
-from .stats import DeviceStats, HostStats, SlotLayouts, peak_magnitude, tensor_stats, to_host
+from .stats import DeviceStats, HostStats, SlotLayouts, extremes, peak_magnitudes, tensor_stats, to_host
 from .writer import RunWriter, close_all_writers
 
 LEVELS = ("steps", "params", "full")
@@ -109,7 +109,7 @@ class TapObservation:
     order: int
     dtype: str
     numel: int
-    stats: DeviceStats | torch.Tensor | None  # full statistics, or the 0-dim peak magnitude
+    stats: DeviceStats | tuple | None  # full statistics, or the (min, max) pair of a light step
 
 
 @dataclass
@@ -306,7 +306,7 @@ class Recorder:
             self._dropped_taps += 1
             return
         if mode == "light":
-            stats: DeviceStats | torch.Tensor = peak_magnitude(tensor)
+            stats: DeviceStats | tuple = extremes(tensor)
         else:
             inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
             stats = tensor_stats([tensor], inv_scale=inv,
@@ -399,8 +399,7 @@ class Recorder:
                             taps=taps if mode == "full" else [])
         light = None
         if mode == "light" and taps:
-            device = taps[0].stats.device
-            peaks = torch.stack([t.stats.to(device, non_blocking=True) for t in taps])
+            peaks = peak_magnitudes([t.stats for t in taps], taps[0].stats[0].device)
             for t in taps:
                 t.stats = None
             light = LightStep(self.step, taps, peaks, None)

@@ -248,11 +248,18 @@ def _accumulate(flat, seg, segments, inv_scale, subnormal_below, min_exp, bins,
         sumsq[slot] += torch.linalg.vector_norm(finite_values[part], dtype=torch.float64).square()
 
 
-def peak_magnitude(tensor: torch.Tensor) -> torch.Tensor:
-    """``max |tensor|`` as a 0-dim float32 tensor: NaN if any element is NaN, else inf if any is
-    inf. One reduction and no sync: the every-step non-finite check of module taps. ``tensor``
-    must not be empty (the max of nothing is undefined)."""
-    return torch.linalg.vector_norm(tensor.detach(), ord=float("inf"), dtype=torch.float32)
+def extremes(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of ``tensor``, 0-dim, in one pass (NaN if any element is NaN): the
+    every-step non-finite check of module taps. No sync. ``tensor`` must not be empty.
+    (``aminmax`` is one kernel on CUDA and, on the CPU, ~25x faster than an inf-norm.)"""
+    return torch.aminmax(tensor.detach())
+
+
+def peak_magnitudes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """float32 ``[len(pairs)]``: ``max |x|`` of each tensor from its :func:`extremes` (NaN if it
+    held a NaN, else inf if it held an inf). A few launches for all pairs together; no sync."""
+    values = torch.stack([v.to(device, non_blocking=True) for pair in pairs for v in pair])
+    return values.to(torch.float32).view(-1, 2).abs().amax(dim=1)
 
 
 def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:

@@ -344,7 +344,7 @@ def test_a_failing_tap_warns_once_and_training_is_unchanged(run_path, monkeypatc
 def test_a_failing_tap_raises_in_strict_mode(run_path, monkeypatch):
     import ampdoctor.recorder as recorder_module
 
-    monkeypatch.setattr(recorder_module, "peak_magnitude", lambda t: 1 / 0)
+    monkeypatch.setattr(recorder_module, "extremes", lambda t: 1 / 0)
     model = DeepNet()
     with pytest.raises(ampdoctor.RecorderError, match="ZeroDivisionError"):
         with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", every=5,
