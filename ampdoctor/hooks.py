@@ -81,13 +81,13 @@ def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple
     """The ``(name, module)`` pairs to tap, in ``named_modules()`` order.
 
     ``modules=None`` taps every module except pure containers (Sequential, ModuleList, ...): leaves
-    and blocks. Otherwise: a regular expression (``str`` or compiled) that must match the whole
+    and blocks. TorchScript modules take no hooks and are never tapped. Otherwise: a regular expression (``str`` or compiled) that must match the whole
     qualified name, a module type, a list mixing those, or a callable ``(name, module) -> bool``.
     The model itself is named ``"(model)"``.
     """
     match = _matcher(modules)
     return [(name or ROOT_NAME, m) for name, m in unwrap_compiled(model).named_modules()
-            if match(name or ROOT_NAME, m)]
+            if match(name or ROOT_NAME, m) and not isinstance(m, torch.jit.ScriptModule)]
 
 
 def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:
@@ -112,9 +112,11 @@ def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:
 
 
 def float_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The non-empty floating-point dense tensors in a (nested) tuple / list / dict output."""
+    """The non-empty floating-point dense tensors in a (nested) tuple / list / dict output
+    (float8 tensors are skipped: torch has no reductions for them)."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.layout == torch.strided and value.numel():
+        if (value.is_floating_point() and value.layout == torch.strided and value.numel()
+                and value.element_size() > 1):
             yield value
     elif isinstance(value, (tuple, list)):
         for v in value:
@@ -176,8 +178,10 @@ class ModuleTaps:
             handle.remove()
 
     def reset(self) -> None:
-        """Start a new step: numbering restarts, remembered tensors are forgotten."""
+        """Start a new step: numbering restarts, remembered tensors are forgotten, and call
+        stacks left over from a forward that never returned (KeyboardInterrupt) are dropped."""
         with self._lock:
+            self._generation = getattr(self, "_generation", 0) + 1
             self.calls = 0
             self._forward_order = 0
             self._backward_order = 0
@@ -186,10 +190,9 @@ class ModuleTaps:
 
     # -- hooks -------------------------------------------------------------------------------
     def _stack(self) -> list[ModuleCall]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+        if getattr(self._local, "generation", None) != self._generation:
+            self._local.stack, self._local.generation = [], self._generation
+        return self._local.stack
 
     def _pre_hook(self, name: str):
         def before_forward(module, args, kwargs):
@@ -227,7 +230,8 @@ class ModuleTaps:
                     if not recomputing:
                         self._sink.observe_tap("output", info, self._next_forward(), t)
                     self._remember(t, info.call)
-                    if t.requires_grad:
+                    # Not on leaves (a returned parameter): their hooks would outlive the step.
+                    if t.requires_grad and t.grad_fn is not None:
                         t.register_hook(self._grad_hook(info))
             except Exception as exc:  # noqa: BLE001
                 self._sink.fail(exc)

@@ -187,9 +187,14 @@ class Recorder:
         self._tap_mode: str | None = None       # None, "light" or "full" for the step in progress
         self._tap_obs: list[TapObservation] = []
         self._dropped_taps = 0
+        self._warned_dropped = False
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
-        self._flight: collections.deque[LightStep] = collections.deque(maxlen=options.flight_steps + 4)
+        # Entries leave the flight recorder once their step and the F-1 steps after it are checked
+        # (fused optimizers do not sync in step(), so checks can lag); the cap bounds a lag that
+        # never ends (a disabled scaler that never syncs).
+        self._flight: collections.deque[LightStep] = collections.deque(maxlen=4 * options.flight_steps + 64)
+        self._checked_until = start_step  # steps below this have been checked for anomalies
         self._pending_checks: collections.deque = collections.deque()  # (step, host scalars, event)
         self._escalate_until = start_step       # steps below this are detailed (after an anomaly)
         self._below_floor = False
@@ -229,7 +234,10 @@ class Recorder:
         """Stop recording after ``exc``: warn once, or raise in strict mode."""
         self.active = False
         self._remove_hooks()
-        self.writer.close()
+        if threading.current_thread() is threading.main_thread():
+            self.writer.close()
+        else:  # an autograd device thread (a gradient tap): joining the writer would stall backward
+            threading.Thread(target=self.writer.close, name="ampdoctor-close", daemon=True).start()
         first, self._reported = not self._reported, True
         if self.options.strict:
             raise RecorderError(f"ampdoctor recording failed: {type(exc).__name__}: {exc}") from exc
@@ -251,10 +259,14 @@ class Recorder:
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
 
+    @_guarded
     def set_step(self, step: int) -> None:
-        """Continue the step numbering at ``step`` (a resumed run)."""
+        """Continue the step numbering at ``step`` (a resumed or rolled-back run): the flight
+        recorder and pending anomaly checks of the abandoned steps are dropped."""
         self.step = step
         self._escalate_until = min(self._escalate_until, step)
+        self._flight.clear()
+        self._pending_checks.clear()
         self._plan_step()
 
     def _remove_hooks(self) -> None:
@@ -413,12 +425,15 @@ class Recorder:
                 record.event = torch.cuda.Event()
                 record.event.record()
         if mode is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
-            self._taps_saw_nothing()
-        if self._dropped_taps:
-            warnings.warn(f"ampdoctor: step {self.step}: more than {MAX_TAP_ROWS_PER_STEP} module "
-                          f"observations; {self._dropped_taps} were not recorded", RuntimeWarning,
-                          stacklevel=3)
-            self._dropped_taps = 0
+            self._taps_off(f"no module tap fired in step {self.step} although gradients were "
+                           "recorded: the model runs under torch.compile, or model= is not the "
+                           "module being trained")
+        if self._dropped_taps and not self._warned_dropped:
+            self._warned_dropped = True
+            warnings.warn(f"ampdoctor: more than {MAX_TAP_ROWS_PER_STEP} module observations in "
+                          "one step (a long forward-only loop?); the rest of such steps is not "
+                          "recorded", RuntimeWarning, stacklevel=3)
+        self._dropped_taps = 0
         self._groups, self._loss, self._observed = [], None, set()
         self._backward_scale, self._inv_scales = None, {}
         self.writer.put(record)
@@ -431,13 +446,12 @@ class Recorder:
         self._remove_sniff()  # the autocast dtype is known after the first iteration or never
         self._plan_step()
 
-    def _taps_saw_nothing(self) -> None:
-        warnings.warn(f"ampdoctor: no module tap fired in step {self.step} although gradients "
-                      "were recorded: the model runs under torch.compile, or model= is not the "
-                      "module being trained. Module rows are off; recording continues at "
-                      "level='params'", RuntimeWarning, stacklevel=4)
+    def _taps_off(self, why: str) -> None:
+        """Stop module taps for good (warning once); the rest of the recording goes on."""
+        warnings.warn(f"ampdoctor: {why}. Module rows are off; recording continues at "
+                      "level='params'", RuntimeWarning, stacklevel=5)
         self._taps.remove()
-        self._taps = None
+        self._taps, self._tap_mode = None, None
 
     def _per_tensor_step(self) -> bool:
         return ((self.options.level != "steps" and self.step % self.options.every == 0)
@@ -461,8 +475,11 @@ class Recorder:
         self._taps.reset()
         if mode is None:
             self._taps.remove()
-        else:
+            return
+        try:
             self._taps.install()
+        except Exception as exc:  # noqa: BLE001 - e.g. a module type that refuses hooks
+            self._taps_off(f"module taps could not be installed ({type(exc).__name__}: {exc})")
 
     # -- anomalies: the flight recorder and escalation ---------------------------------------
     def _check_anomalies(self, *, wait: bool) -> None:
@@ -476,17 +493,25 @@ class Recorder:
                 elif not event.query():
                     break
             self._pending_checks.popleft()
+            self._checked_until = step + 1
             scale, skipped, loss = _read_scalars(scalars)
             floor = self.options.scale_floor
             below = floor is not None and scalars is not None and scale < floor
             if skipped or (loss is not None and not math.isfinite(loss)) or (below and not self._below_floor):
                 self._on_anomaly(step)
             self._below_floor = below
+        # A checked step can still be in the window of an anomaly up to flight_steps - 1 later.
+        horizon = self._checked_until - self.options.flight_steps
+        while self._flight and self._flight[0].step < horizon:
+            self._flight.popleft()
 
     def _on_anomaly(self, step: int) -> None:
         """Write out the flight recorder's steps up to ``step`` and escalate the next steps."""
-        steps = [e for e in self._flight if e.step > step - self.options.flight_steps]
+        window = [e for e in self._flight if step - self.options.flight_steps < e.step <= step]
+        later = [e for e in self._flight if e.step > step]  # seen already, checked later
         self._flight.clear()
+        self._flight.extend(later)
+        steps = window
         if steps:
             record = FlightRecord(self.rank, steps)
             if steps[0].peaks.device.type != "cpu":

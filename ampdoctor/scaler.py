@@ -162,12 +162,12 @@ def wrap(scaler: torch.amp.GradScaler, *, model: torch.nn.Module | None = None,
     if scaler.__dict__.get(_RECORDER) is not None:
         raise ValueError("this scaler is already recording; call ampdoctor.unwrap(scaler) first")
     record_options = RecordOptions(path=path, **options)
-    base = type(scaler)
-    if not isinstance(scaler, _Recording):
-        scaler.__class__ = _recording_class(base)
-    plain = type(scaler)._ampdoctor_plain_class
+    plain = type(scaler)._ampdoctor_plain_class if isinstance(scaler, _Recording) else type(scaler)
+    # The recorder first: if its arguments are wrong, the scaler is left untouched.
     recorder = Recorder(scaler, model, record_options,
                         scaler_class=f"{plain.__module__}.{plain.__qualname__}", start_step=start_step)
+    if not isinstance(scaler, _Recording):
+        scaler.__class__ = _recording_class(plain)
     scaler.__dict__[_RECORDER] = recorder
     return scaler
 

@@ -84,6 +84,10 @@ def test_filtered_taps_write_only_selected_modules(run_path):
 def test_full_level_needs_a_model(run_path):
     with pytest.raises(ValueError, match="model="):
         ampdoctor.GradScaler("cpu", path=run_path, level="full")
+    plain = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="model="):
+        ampdoctor.wrap(plain, path=run_path, level="full")
+    assert type(plain) is torch.amp.GradScaler  # left untouched
 
 
 # -- rows --------------------------------------------------------------------------------------
@@ -389,3 +393,111 @@ def test_model_compiled_after_the_scaler_is_detected(run_path):
     assert hooked_modules(model) == []
     frame = ampdoctor.load(run_path)
     assert (frame.kind == "param_grad").any() and not (frame.kind == "output").any()
+
+
+def test_interrupted_forward_leaves_no_stale_call_stack(run_path):
+    """A KeyboardInterrupt inside forward skips always_call hooks; the next step starts clean."""
+    class Interrupting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.interrupt = False
+
+        def forward(self, x):
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return self.lin(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = Interrupting()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches(4)
+    with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", **QUIET) as scaler:
+        for i, (x, y) in enumerate(data):
+            model.body.interrupt = i == 1
+            try:
+                loss = mse(model, x, y)
+            except KeyboardInterrupt:
+                loss = mse(model.head, x, y)  # the user carries on with something else
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    frame = ampdoctor.load(run_path)
+    roots = frame[(frame.kind == "output") & (frame.name == ROOT_NAME) & (frame.step >= 2)]
+    assert len(roots) == 2 and roots.parent.isna().all()
+    assert find_origins(frame) == []
+
+
+def test_returned_parameters_get_no_lasting_hooks(run_path):
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16))
+
+        def forward(self):
+            return self.w
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = Returns()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(x * self.scale())
+
+    model = Net()
+    record(model, run_path, batches(5))
+    assert not model.scale.w._backward_hooks
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_torchscript_submodules_are_not_tapped(run_path):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scripted = torch.jit.script(nn.Linear(16, 16))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.scripted(x)))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ampdoctor")
+        frame = record(Net(), run_path, batches(2))
+    assert set(frame[frame.kind == "output"].name) == {"head", ROOT_NAME}
+
+
+def test_rolling_back_drops_the_abandoned_flight_window(run_path):
+    torch.manual_seed(0)
+    model = DeepNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    boom = model.blocks[1].inner.boom
+    data = batches(9)
+    with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", every=100,
+                              flight_steps=8, **QUIET) as scaler:
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                checkpoint_state = scaler.state_dict()
+            if i == 6:
+                scaler.load_state_dict(checkpoint_state)  # back to step 2
+            boom.factor = 1e8 if i == 7 else 1.0  # recorded as step 3
+            scaler.scale(mse(model, x, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    frame = ampdoctor.load(run_path)
+    light = frame[frame.kind.isin(["output", "grad_output"]) & frame.n_nan.isna()]
+    assert sorted(light.step.unique()) == [2, 3]
+    assert not light.duplicated(["step", "kind", "order"]).any()
+    assert [o.step for o in find_origins(frame)] == [3]

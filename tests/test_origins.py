@@ -167,12 +167,88 @@ def test_gradient_produced_outside_the_model(run_path):
     for i, (x, y) in enumerate(batches(STEPS, seed=0)):
         with torch.autocast("cpu", dtype=torch.float16):
             out = model(x)
-            loss = (out.float() * (1e30 if i == K else 1.0)).square().mean()  # grad overflows fp16
+            # A finite loss whose gradient, cast back to fp16 at the model's output, overflows.
+            loss = (out.float() * (1e6 if i == K else 1.0)).mean() + (out.float() - y).square().mean()
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
     scaler.close()
     (o,) = find_origins(ampdoctor.load(run_path))
-    assert o.step == K and o.forward is None
+    assert o.step == K and o.forward is None and math.isfinite(o.loss)
     assert o.overflow.name == OUTSIDE and o.overflow.tensor == "head"  # head returned it for the model
+
+
+def test_pass_through_module_is_not_blamed(run_path):
+    """An nn.Identity between the producer and the amplifier returns the same tensor: the
+    amplifier is named, not the Identity."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+            self.drop = torch.nn.Identity()
+            self.b = CallAmplifier(fire_on=0)
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            self.b.calls = 0
+            return self.head(self.b(self.drop(self.a(x))))
+
+    torch.manual_seed(0)
+    model = Net()
+
+    def before_step(i):
+        model.b.factor = 1e8 if i == K else 1.0
+
+    (o,) = find_origins(record(model, run_path, before_step=before_step))
+    assert o.overflow.name == "b"
+
+
+def test_parameter_of_the_model_itself_is_named_by_the_model(run_path):
+    class Net(DeepNet):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.zeros(16))
+
+        def forward(self, x):
+            return super().forward(x + self.pos)
+
+    torch.manual_seed(0)
+    model = Net()
+    fire = {"now": False}
+    model.pos.register_hook(lambda g: torch.full_like(g, float("inf")) if fire["now"] else g)
+
+    def before_step(i):
+        fire["now"] = i == K
+
+    (o,) = find_origins(record(model, run_path, before_step=before_step, level="params"))
+    assert (o.overflow.name, o.overflow.tensor) == ("(model)", "pos")
+
+
+def test_masked_minus_inf_activation_is_not_an_anomaly(run_path):
+    """A module that outputs -inf on purpose (masked logits) does not make steps anomalous, and
+    a real overflow elsewhere is still found."""
+    class Masked(torch.nn.Module):
+        def forward(self, x):
+            return x.masked_fill(torch.ones_like(x, dtype=torch.bool).triu(1)[: x.shape[0]], float("-inf"))
+
+    class Net(DeepNet):
+        def __init__(self):
+            super().__init__()
+            self.mask = Masked()
+
+        def forward(self, x):
+            self.mask(x)  # computed and thrown away, like an attention mask never applied
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    boom = model.blocks[1].inner.boom
+
+    def before_step(i):
+        boom.factor = 1e8 if i == K else 1.0
+
+    frame = record(model, run_path, before_step=before_step)
+    assert nonfinite_rows(frame[(frame.kind == "output") & (frame.name == "mask")]).all()
+    (o,) = find_origins(frame)
+    assert o.step == K and o.forward.name == "mask" and o.overflow.name == "blocks.1.inner.boom"

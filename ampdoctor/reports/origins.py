@@ -12,8 +12,12 @@
   module. A non-finite parameter gradient whose module's output gradients were all finite (a
   weight gradient that overflowed in its own reduction) is produced by its module's backward,
   just after that module's output gradient arrived; whichever of the two came first wins.
-  A step with a forward origin gets no overflow origin: every gradient after a non-finite loss
-  is a consequence.
+  A step with a non-finite loss gets no overflow origin: every gradient after it is a
+  consequence (its forward origin says where it came from).
+
+A step is *anomalous* when it was skipped, its loss was non-finite, or a gradient (parameter or
+module output) was non-finite; a non-finite activation alone (a masked ``-inf`` that never
+reaches the loss) is not an anomaly, but it is named as the forward origin of an anomalous step.
 
 Pure functions of a run's DataFrame; rows with null counts are light (flight-recorder) rows,
 whose ``amax`` is the peak magnitude (NaN or inf when the tensor held one).
@@ -27,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from ..hooks import ROOT_NAME
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
 
@@ -76,8 +82,8 @@ def find_origins(frame: pd.DataFrame) -> list[StepOrigins]:
     loss = steps["loss"].astype("float64")
     flagged = steps[steps["skipped"] | (loss_recorded & ~np.isfinite(loss))]
     keys = set(zip(flagged["step"], flagged["rank"]))
-    keys |= set(zip(frame.loc[bad & (frame["kind"] != "step"), "step"],
-                    frame.loc[bad & (frame["kind"] != "step"), "rank"]))
+    bad_grads = bad & frame["kind"].isin(["param_grad", "grad_output"])
+    keys |= set(zip(frame.loc[bad_grads, "step"], frame.loc[bad_grads, "rank"]))
     if not keys:
         return []
     marked = frame.assign(_bad=bad)
@@ -95,7 +101,9 @@ def _step_origins(step: int, rank: int, rows: pd.DataFrame) -> StepOrigins:
         detail = "light" if modules["n_nan"].isna().all() else "full"
     calls = _CallTable(modules)
     forward = _forward_origin(step, rank, modules, calls)
-    overflow = None if forward is not None else _overflow_origin(step, rank, rows, modules, calls)
+    loss_failed = loss is not None and not math.isfinite(loss)
+    consequence = loss_failed or (loss is None and forward is not None)
+    overflow = None if consequence else _overflow_origin(step, rank, rows, modules, calls)
     return StepOrigins(rank, step, skipped, loss, detail, forward, overflow)
 
 
@@ -143,7 +151,7 @@ def _owner_module(param: str, module_names: set[str]) -> str:
         prefix = ".".join(parts[:i])
         if prefix in module_names:
             return prefix
-    return ".".join(parts[:-1]) or param
+    return ".".join(parts[:-1]) or ROOT_NAME  # a parameter of the model itself (a pos_embed)
 
 
 class _CallTable:
@@ -181,10 +189,11 @@ class _CallTable:
         return min(calls) if calls else None
 
     def _is_ancestor(self, a: int, b: int) -> bool:
-        p = self._parent.get(b)
-        while p is not None:
+        p, seen = self._parent.get(b), set()
+        while p is not None and p not in seen:  # seen: never loop on inconsistent input
             if p == a:
                 return True
+            seen.add(p)
             p = self._parent.get(p)
         return False
 
@@ -192,15 +201,22 @@ class _CallTable:
         """The call whose backward produced the gradient w.r.t. ``call``'s output, which arrived
         at backward position ``order``; None when no tapped module's code did."""
         first_seen = grads.groupby("call")["order"].min() if len(grads) else pd.Series(dtype=float)
-        current = call
-        while True:
+        current, visited = call, set()
+        while current not in visited:
+            visited.add(current)
             consumers = [c for c, inputs in self._inputs.items() if current in inputs]
             innermost = [c for c in consumers
                          if not any(self._is_ancestor(c, o) for o in consumers if o != c)]
-            if innermost:
+            # A consumer whose own output gradient arrived only after this one returned the very
+            # tensor it received (nn.Identity, dropout in eval): look past it.
+            ran = [c for c in innermost if first_seen.get(c, -math.inf) < order]
+            if ran:
                 # Several unrelated consumers (a tensor used twice): the one whose backward
                 # began last, i.e. whose output gradient arrived latest.
-                return max(innermost, key=lambda c: (first_seen.get(c, -math.inf), -c))
+                return max(ran, key=lambda c: (first_seen.get(c, -math.inf), -c))
+            if innermost:
+                current = min(innermost)
+                continue
             parent = self._parent.get(current)
             if parent is None:
                 return None
@@ -209,6 +225,7 @@ class _CallTable:
             # The parent's output gradient came later: it returned this very tensor as its own,
             # so whoever consumed the parent's output produced the gradient.
             current = parent
+        return None
 
 
 def _float(value) -> float | None:
