@@ -114,16 +114,9 @@ def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:
 def float_tensors(value: Any) -> Iterator[torch.Tensor]:
     """The non-empty floating-point dense tensors in a (nested) tuple / list / dict output
     (float8 tensors are skipped: torch has no reductions for them)."""
-    if isinstance(value, torch.Tensor):
-        if (value.is_floating_point() and value.layout == torch.strided and value.numel()
-                and value.element_size() > 1):
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from float_tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from float_tensors(v)
+    for t in _all_tensors(value):
+        if t.is_floating_point() and t.layout == torch.strided and t.numel() and t.element_size() > 1:
+            yield t
 
 
 def _all_tensors(value: Any) -> Iterator[torch.Tensor]:

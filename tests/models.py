@@ -171,6 +171,16 @@ class SharedNet(nn.Module):
         return self.head(self.shared(self.mid(self.shared(x))))
 
 
+def set_at(obj, attr: str, value, steps, normal=1.0):
+    """A ``before_step`` callback: ``obj.attr = value`` at the given step(s), ``normal`` otherwise."""
+    steps = {steps} if isinstance(steps, int) else set(steps)
+
+    def before_step(i):
+        setattr(obj, attr, value if i in steps else normal)
+
+    return before_step
+
+
 def fit(model: nn.Module, scaler, data, *, before_step=None, dtype=torch.float16, lr: float = 0.01):
     """The plain AMP loop on the CPU: forward under autocast, scaled backward, step, update."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 from ampdoctor.hooks import ROOT_NAME, select_modules
 from ampdoctor.reports.origins import find_origins
-from models import MLP, DeepNet, SharedNet, batches, fit, mse
+from models import MLP, DeepNet, SharedNet, batches, fit, mse, set_at
 
 QUIET = dict(init_scale=2.0**10)
 
@@ -142,12 +142,8 @@ def test_light_peaks_equal_full_amax(tmp_path):
     for every in (1, 100):
         torch.manual_seed(0)
         model = DeepNet()
-        boom = model.blocks[1].inner.boom
         data = batches(4)
-
-        def before(i):
-            boom.factor = 1e8 if i == 2 else 1.0
-
+        before = amplify_at(model, {2})
         path = tmp_path / f"{every}.parquet"
         with ampdoctor.GradScaler("cpu", model=model, path=path, level="full", every=every,
                                   **QUIET) as scaler:
@@ -240,12 +236,7 @@ def test_no_grad_and_eval_passes_record_forward_only(run_path):
 # -- cost control: flight recorder and escalation ---------------------------------------------
 
 def amplify_at(model, steps):
-    boom = model.blocks[1].inner.boom
-
-    def before(i):
-        boom.factor = 1e8 if i in steps else 1.0
-
-    return before
+    return set_at(model.blocks[1].inner.boom, "factor", 1e8, steps)
 
 
 def test_flight_recorder_writes_the_window_before_each_anomaly(run_path):

@@ -10,7 +10,7 @@ import torch
 
 import ampdoctor
 from ampdoctor.reports.origins import OUTSIDE, find_origins, nonfinite_rows
-from models import CallAmplifier, DeepNet, SharedNet, batches, fit
+from models import CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 
 K = 3          # the step at which something goes wrong
 STEPS = 6
@@ -37,8 +37,7 @@ def test_backward_amplification_three_levels_deep(child, run_path):
     model = DeepNet(child=child)
     boom = model.blocks[1].inner.boom
 
-    def before_step(i):
-        boom.factor = 1e8 if i == K else 1.0
+    before_step = set_at(boom, "factor", 1e8, K)
 
     frame = record(model, run_path, before_step=before_step)
     origins = find_origins(frame)
@@ -60,8 +59,7 @@ def test_forward_overflow_names_the_module_whose_fp16_output_exceeded_65504(run_
     model = DeepNet()
     gain = model.blocks[1].inner.gain
 
-    def before_step(i):
-        gain.gain = 1e6 if i == K else 1.0
+    before_step = set_at(gain, "gain", 1e6, K)
 
     frame = record(model, run_path, before_step=before_step)
     (o,) = find_origins(frame)
@@ -105,8 +103,7 @@ def test_shared_module_backward_overflow_names_the_right_call(fire_on, run_path)
     torch.manual_seed(0)
     model = SharedNet(shared=CallAmplifier(fire_on))
 
-    def before_step(i):
-        model.shared.factor = 1e8 if i == K else 1.0
+    before_step = set_at(model.shared, "factor", 1e8, K)
 
     frame = record(model, run_path, before_step=before_step)
     (o,) = find_origins(frame)
@@ -146,8 +143,7 @@ def test_origins_from_flight_recorder_rows(run_path):
     model = DeepNet()
     boom = model.blocks[1].inner.boom
 
-    def before_step(i):
-        boom.factor = 1e8 if i == K else 1.0
+    before_step = set_at(boom, "factor", 1e8, K)
 
     frame = record(model, run_path, before_step=before_step, every=100, flight_steps=2)
     (o,) = find_origins(frame)
@@ -197,8 +193,7 @@ def test_pass_through_module_is_not_blamed(run_path):
     torch.manual_seed(0)
     model = Net()
 
-    def before_step(i):
-        model.b.factor = 1e8 if i == K else 1.0
+    before_step = set_at(model.b, "factor", 1e8, K)
 
     (o,) = find_origins(record(model, run_path, before_step=before_step))
     assert o.overflow.name == "b"
@@ -245,8 +240,7 @@ def test_masked_minus_inf_activation_is_not_an_anomaly(run_path):
     model = Net()
     boom = model.blocks[1].inner.boom
 
-    def before_step(i):
-        boom.factor = 1e8 if i == K else 1.0
+    before_step = set_at(boom, "factor", 1e8, K)
 
     frame = record(model, run_path, before_step=before_step)
     assert nonfinite_rows(frame[(frame.kind == "output") & (frame.name == "mask")]).all()
