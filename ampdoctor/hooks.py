@@ -141,7 +141,6 @@ class ModuleTaps:
         self._handles: list[Any] = []
         self._lock = threading.Lock()
         self._local = threading.local()  # per-thread call stack (recomputation runs in backward)
-        self.enabled = False
         self.reset()
 
     @property
@@ -161,11 +160,10 @@ class ModuleTaps:
         except BaseException:
             self.remove()
             raise
-        self.enabled = True
 
     def remove(self) -> None:
-        """Remove every module hook; tensor hooks still on live tensors become no-ops. Idempotent."""
-        self.enabled = False
+        """Remove every module hook; tensor hooks still on live tensors become no-ops (they check
+        ``installed``). Idempotent."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
@@ -189,7 +187,7 @@ class ModuleTaps:
 
     def _pre_hook(self, name: str):
         def before_forward(module, args, kwargs):
-            if torch.compiler.is_compiling() or not self.enabled:
+            if torch.compiler.is_compiling() or not self._handles:
                 return None
             try:
                 stack = self._stack()
@@ -206,7 +204,7 @@ class ModuleTaps:
 
     def _post_hook(self):
         def after_forward(module, args, kwargs, output):
-            if torch.compiler.is_compiling() or not self.enabled:
+            if torch.compiler.is_compiling() or not self._handles:
                 return None
             try:
                 stack = self._stack()
@@ -234,7 +232,7 @@ class ModuleTaps:
 
     def _grad_hook(self, info: ModuleCall):
         def on_gradient(grad):
-            if torch.compiler.is_compiling() or not self.enabled:
+            if torch.compiler.is_compiling() or not self._handles:
                 return None
             try:
                 if grad is not None and grad.layout == torch.strided and grad.numel():

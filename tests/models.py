@@ -171,6 +171,18 @@ class SharedNet(nn.Module):
         return self.head(self.shared(self.mid(self.shared(x))))
 
 
+class WithHead(nn.Module):
+    """``head(body(x))``: puts a module under test inside a model with a trainable head."""
+
+    def __init__(self, body: nn.Module, d: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def set_at(obj, attr: str, value, steps, normal=1.0):
     """A ``before_step`` callback: ``obj.attr = value`` at the given step(s), ``normal`` otherwise."""
     steps = {steps} if isinstance(steps, int) else set(steps)

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 from ampdoctor.hooks import ROOT_NAME, select_modules
 from ampdoctor.reports.origins import find_origins
-from models import MLP, DeepNet, SharedNet, batches, fit, mse, set_at
+from models import MLP, DeepNet, SharedNet, WithHead, batches, fit, mse, set_at
 
 QUIET = dict(init_scale=2.0**10)
 
@@ -399,17 +399,8 @@ def test_interrupted_forward_leaves_no_stale_call_stack(run_path):
                 raise KeyboardInterrupt
             return self.lin(x)
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body = Interrupting()
-            self.head = nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.head(self.body(x))
-
     torch.manual_seed(0)
-    model = Net()
+    model = WithHead(Interrupting())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = batches(4)
     with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", **QUIET) as scaler:
@@ -454,18 +445,9 @@ def test_returned_parameters_get_no_lasting_hooks(run_path):
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_torchscript_submodules_are_not_tapped(run_path):
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scripted = torch.jit.script(nn.Linear(16, 16))
-            self.head = nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.head(torch.relu(self.scripted(x)))
-
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="ampdoctor")
-        frame = record(Net(), run_path, batches(2))
+        frame = record(WithHead(torch.jit.script(nn.Linear(16, 16))), run_path, batches(2))
     assert set(frame[frame.kind == "output"].name) == {"head", ROOT_NAME}
 
 
