@@ -57,6 +57,87 @@ def info(run: str, fmt: str) -> None:
     click.echo(json.dumps(data, indent=2) if fmt == "json" else info_text(data))
 
 
+def _emit(text: str, output: str | None) -> None:
+    """Print ``text``, or write it to ``output`` (a library error if the path is unwritable)."""
+    if output is None:
+        click.echo(text)
+        return
+    try:
+        with open(output, "w", encoding="utf-8") as fh:
+            fh.write(text if text.endswith("\n") else text + "\n")
+    except OSError as exc:
+        raise CliError(f"{output}: cannot write ({exc.strerror})") from None
+    click.echo(f"Wrote {output}", err=True)
+
+
+output_option = click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=str), default=None,
+                             help="Write to this file instead of standard output.")
+
+
+def _color() -> bool:
+    return sys.stdout.isatty()
+
+
+@main.command()
+@run_argument
+@output_format("text", "md", "json", "html")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Layers shown in the text table.")
+@output_option
+@library_errors
+def report(run: str, fmt: str, top: int, output: str | None) -> None:
+    """What happened to the loss scale, which layers underflow or lack headroom, where overflows
+    came from, and which GradScaler settings to use instead."""
+    from .reports import render
+    from .reports.summary import build_report
+
+    data = build_report(run)
+    _emit(render.report(data, fmt, color=output is None and _color(), top=top), output)
+
+
+@main.command()
+@run_argument
+@click.option("--init-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="[default: the run's own, or 2**16 for a run without loss scaling]")
+@click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None)
+@click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None)
+@click.option("--growth-interval", type=click.IntRange(min=1), default=None)
+@click.option("--hysteresis", type=click.IntRange(min=1), default=None,
+              help="Overflows in a row before backing off (Megatron/DeepSpeed) [default: 1, as torch].")
+@click.option("--min-scale", type=click.FloatRange(min=0), default=None)
+@click.option("--max-scale", type=click.FloatRange(min=0, min_open=True), default=None)
+@output_format("text", "md", "json")
+@output_option
+@library_errors
+def simulate(run: str, fmt: str, output: str | None, **settings) -> None:
+    """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
+    underflow, next to what the run actually did."""
+    from .reports import render
+    from .reports.summary import simulate_run
+
+    try:
+        data = simulate_run(run, **settings)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    _emit(render.simulate(data, fmt), output)
+
+
+@main.command()
+@run_argument
+@click.option("--sort", type=click.Choice(["underflow", "headroom", "amax"]), default="underflow",
+              show_default=True)
+@click.option("--top", type=click.IntRange(min=1), default=None, help="Only the first N layers.")
+@output_format("text", "md", "json")
+@output_option
+@library_errors
+def layers(run: str, sort: str, top: int | None, fmt: str, output: str | None) -> None:
+    """The per-layer table: underflow, zero and subnormal rates, headroom, amax and amin."""
+    from .reports import render
+    from .reports.summary import layers_report
+
+    _emit(render.layers(layers_report(run, sort, top), fmt), output)
+
+
 @main.command()
 @click.option("--out", "path", default="ampdoctor-demo.parquet", show_default=True,
               type=click.Path(path_type=str), help="Run directory to write.")

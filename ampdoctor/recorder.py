@@ -203,6 +203,7 @@ class Recorder:
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._scaler_meta = {
             "scaler.class": scaler_class,
+            "scaler.enabled": str(scaler.is_enabled()).lower(),
             "scaler.init_scale": str(_current_scale(scaler)),
             "scaler.growth_factor": str(getattr(scaler, "_growth_factor", "")),
             "scaler.backoff_factor": str(getattr(scaler, "_backoff_factor", "")),

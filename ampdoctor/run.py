@@ -9,16 +9,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import __version__
 from .errors import RunError
-from .schema import META_FINAL, META_SCHEMA_VERSION, META_WRITER, SCHEMA_VERSION
+from .schema import META_FINAL, META_SCHEMA_VERSION, META_WRITER, SCHEMA_VERSION, run_schema
 
 _MAGIC = b"PAR1"
+_TYPES = {f.name: f.type for f in run_schema()}
 
 
 @dataclass
@@ -31,17 +34,23 @@ class Segment:
 
 @dataclass
 class Run:
-    """A loaded run: all rows as one DataFrame, plus what the segments said about themselves."""
+    """A validated run: its segments (footers read, data not yet) and what they said about
+    themselves. ``frame`` loads every row; the reports read only the columns they need with
+    :meth:`table` or stream them with :meth:`batches`, so memory stays bounded on long runs."""
 
     path: Path
-    frame: pd.DataFrame
     segments: list[Segment]
     warnings: list[str] = field(default_factory=list)
+    _frame: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
     def metadata(self) -> dict[str, str]:
         """The metadata of the first segment (keys common to the run: run.id, scaler.*, ...)."""
         return self.segments[0].metadata
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.segments)
 
     @property
     def writers(self) -> dict[str, bool]:
@@ -60,9 +69,68 @@ class Run:
     def size_bytes(self) -> int:
         return sum(s.size for s in self.segments)
 
+    @property
+    def frame(self) -> pd.DataFrame:
+        """Every row as one DataFrame (loaded on first use)."""
+        if self._frame is None:
+            frame = to_frame(self.table())
+            frame.attrs.update({"metadata": self.metadata, "warnings": list(self.warnings)})
+            self._frame = frame
+        return self._frame
+
+    def table(self, columns: Sequence[str] | None = None, kinds: Sequence[str] | None = None,
+              steps: Sequence[int] | None = None) -> pa.Table:
+        """The rows (of the given ``kinds`` and ``steps``, when given) as one Arrow table with
+        only ``columns``. A segment that fails to read is skipped with a warning."""
+        tables = [t for t in (self._read(s, columns, kinds, steps) for s in self.segments) if t is not None]
+        if not tables:
+            return _empty_table(columns)
+        try:
+            return pa.concat_tables(tables, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise RunError(f"{self.path}: segments do not share one schema ({exc})") from None
+
+    def batches(self, columns: Sequence[str], kinds: Sequence[str] | None = None,
+                batch_rows: int = 1 << 18) -> Iterator[pa.RecordBatch]:
+        """Stream the rows segment by segment in record batches of at most ``batch_rows`` rows;
+        memory is bounded by one batch whatever the run's length."""
+        for segment in self.segments:
+            try:
+                source = pq.ParquetFile(segment.path)
+                present = [c for c in columns if c in source.schema_arrow.names]
+                for batch in source.iter_batches(batch_size=batch_rows, columns=present):
+                    if kinds is not None:
+                        batch = batch.filter(pc.is_in(pc.cast(batch.column("kind"), pa.string()),
+                                                      pa.array(list(kinds))))
+                    if batch.num_rows:
+                        yield _with_columns(batch, columns)
+            except (pa.ArrowException, OSError) as exc:
+                self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+
+    def _read(self, segment: Segment, columns, kinds, steps) -> pa.Table | None:
+        filters = []
+        if kinds is not None:
+            filters.append(("kind", "in", list(kinds)))
+        if steps is not None:
+            filters.append(("step", "in", [int(s) for s in steps]))
+        try:
+            present = None if columns is None else [
+                c for c in columns if c in pq.read_schema(segment.path).names]
+            table = pq.read_table(segment.path, columns=present, filters=filters or None)
+        except (pa.ArrowException, OSError) as exc:
+            self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+            return None
+        table = table.replace_schema_metadata(None)
+        return table if columns is None else _with_columns(table, columns)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
 
 def read_run(path: str | os.PathLike) -> Run:
-    """Read and validate the run at ``path``. Raises :class:`RunError` for anything not a run."""
+    """Validate the run at ``path`` (every segment's footer and schema version; the data is read
+    later, on demand). Raises :class:`RunError` for anything not a run."""
     root = Path(path)
     if not root.exists():
         raise RunError(f"{root}: no such file or directory")
@@ -76,37 +144,27 @@ def read_run(path: str | os.PathLike) -> Run:
     else:
         files = [root]
 
-    segments, tables, problems, foreign = [], [], [], []
+    segments, problems, foreign = [], [], []
     for f in files:
         try:
-            table = _read_segment(f, single=not root.is_dir())
+            rows, meta = _read_footer(f, single=not root.is_dir())
         except _ForeignParquet:
             foreign.append(f)
             continue
         except _BadSegment as exc:
             problems.append(f"skipped unreadable segment {f.name} ({exc})")
             continue
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        segments.append(Segment(f, table.num_rows, f.stat().st_size, meta))
-        tables.append(table.replace_schema_metadata(None))
+        segments.append(Segment(f, rows, f.stat().st_size, meta))
     if not segments:
         if foreign:
             raise RunError(f"{root}: Parquet written by another tool, not an ampdoctor run "
                            f"(no {META_SCHEMA_VERSION} metadata)")
         raise RunError(f"{root}: no readable segments ({'; '.join(problems)})")
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
-    try:
-        table = pa.concat_tables(tables)
-        frame = table.to_pandas()
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise RunError(f"{root}: segments do not share one schema ({exc})") from None
-    if "loss" in table.column_names:
-        # Arrow-backed so that a NaN loss (non-finite) stays distinct from a null (not recorded).
-        frame["loss"] = table.column("loss").to_pandas(types_mapper=pd.ArrowDtype)
-    if frame.empty:
+    run = Run(root, segments, problems)
+    if run.rows == 0:
         raise RunError(f"{root}: empty run, no steps were recorded")
-    frame.attrs.update({"metadata": segments[0].metadata, "warnings": list(problems)})
-    return Run(root, frame, segments, problems)
+    return run
 
 
 def load(path: str | os.PathLike) -> pd.DataFrame:
@@ -114,6 +172,29 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     ``df.attrs["metadata"]`` holds the run metadata and ``df.attrs["warnings"]`` the skipped
     segments. Raises :class:`RunError` for a path that is not a readable run."""
     return read_run(path).frame
+
+
+def to_frame(table: pa.Table) -> pd.DataFrame:
+    """A run table as pandas, with ``loss`` Arrow-backed so that a NaN loss (non-finite) stays
+    distinct from a null one (not recorded)."""
+    frame = table.to_pandas()
+    if "loss" in table.column_names:
+        frame["loss"] = table.column("loss").to_pandas(types_mapper=pd.ArrowDtype)
+    return frame
+
+
+def _with_columns(data, columns: Sequence[str]):
+    """``data`` with exactly ``columns``, in that order; a column an older segment lacks is null."""
+    n = data.num_rows
+    arrays = [data.column(c) if c in data.column_names else pa.nulls(n, _TYPES[c]) for c in columns]
+    cls = pa.RecordBatch if isinstance(data, pa.RecordBatch) else pa.Table
+    return cls.from_arrays(arrays, names=list(columns))
+
+
+def _empty_table(columns: Sequence[str] | None) -> pa.Table:
+    schema = run_schema()
+    names = columns if columns is not None else schema.names
+    return pa.table({c: pa.array([], _TYPES[c]) for c in names})
 
 
 class _BadSegment(Exception):
@@ -124,7 +205,8 @@ class _ForeignParquet(Exception):
     pass
 
 
-def _read_segment(path: Path, *, single: bool) -> pa.Table:
+def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str]]:
+    """A segment's row count and metadata, from its footer; the data pages are not read."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(4)
@@ -141,7 +223,8 @@ def _read_segment(path: Path, *, single: bool) -> pa.Table:
             raise RunError(f"{path}: truncated Parquet file (no footer)")
         raise _BadSegment("truncated: no Parquet footer")
     try:
-        schema = pq.read_schema(path)
+        footer = pq.read_metadata(path)
+        schema = footer.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as exc:
         if single:
             raise RunError(f"{path}: unreadable Parquet file ({exc})") from None
@@ -157,12 +240,7 @@ def _read_segment(path: Path, *, single: bool) -> pa.Table:
     if version_number > SCHEMA_VERSION:
         raise RunError(f"{path}: written with run schema version {version_number}, but ampdoctor "
                        f"{__version__} reads up to version {SCHEMA_VERSION}; upgrade ampdoctor")
-    try:
-        return pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        if single:
-            raise RunError(f"{path}: unreadable Parquet file ({exc})") from None
-        raise _BadSegment(str(exc)) from None
+    return footer.num_rows, {k.decode(): v.decode() for k, v in meta.items()}
 
 
 def describe(run: Run) -> dict:

@@ -183,6 +183,43 @@ class WithHead(nn.Module):
         return self.head(self.body(x))
 
 
+class QuietMLP(nn.Module):
+    """An MLP with a side branch scaled by ``quiet``: the branch's parameters get gradients that
+    much smaller, so they underflow first at a low loss scale."""
+
+    def __init__(self, d_in: int = 16, width: int = 32, d_out: int = 4, quiet: float = 1e-3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, width)
+        self.fc2 = nn.Linear(width, d_out)
+        self.side = nn.Linear(d_in, d_out)
+        self.quiet = quiet
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))) + self.side(x) * self.quiet
+
+
+def train_recorded(path, *, steps: int = 150, loss_factor: float = 1.0, seed: int = 0, lr: float = 0.05,
+                   model_factory=QuietMLP, **scaler_options) -> int:
+    """Train ``model_factory()`` from ``seed`` with an ``ampdoctor.GradScaler`` (fp16 autocast on
+    the CPU) recording to ``path``; returns the number of skipped steps."""
+    import ampdoctor
+
+    torch.manual_seed(seed)
+    model = model_factory()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=path, amp_dtype=torch.float16, **scaler_options)
+    skipped = 0
+    for x, y in batches(steps, seed=seed + 1):
+        scaler.scale(mse(model, x, y) * loss_factor).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+        opt.zero_grad(set_to_none=True)
+    scaler.close()
+    return skipped
+
+
 def set_at(obj, attr: str, value, steps, normal=1.0):
     """A ``before_step`` callback: ``obj.attr = value`` at the given step(s), ``normal`` otherwise."""
     steps = {steps} if isinstance(steps, int) else set(steps)

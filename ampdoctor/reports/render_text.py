@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .formatting import VERDICTS, binades, number, percent, scale_str, setting
+
 
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -35,3 +37,135 @@ def info_text(info: dict) -> str:
     ]
     lines += [f"warning    {w}" for w in info["warnings"]]
     return "\n".join(lines)
+
+
+# -- report, simulate, layers ------------------------------------------------------------------
+
+WIDTH = 100
+
+
+def _style(text: str, color: bool, **kw) -> str:
+    if not color:
+        return text
+    import click
+    return click.style(text, **kw)
+
+
+def _heading(title: str, color: bool) -> str:
+    return _style(title, color, bold=True)
+
+
+def _clip(name: str, width: int) -> str:
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+def _wrap(text: str, indent: str = "  - ", width: int = WIDTH) -> list[str]:
+    import textwrap
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=" " * len(indent)) or [indent]
+
+
+def layers_table(layers: list[dict], top: int | None = None) -> list[str]:
+    """The per-layer table (fits 100 columns; long names are clipped from the left)."""
+    rows = layers if top is None else layers[:top]
+    head = f"{'layer':<44} {'kind':<11} {'underflow':>9} {'zero':>8} {'subnorm':>8} {'headroom':>8} {'amax':>8}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{_clip(r['name'], 44):<44} {r['kind']:<11} {percent(r['underflow_rate']):>9} "
+                     f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
+                     f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
+    if top is not None and len(layers) > top:
+        lines.append(f"… {len(layers) - top} more (ampdoctor layers RUN --top N)")
+    return lines
+
+
+def report_text(report: dict, color: bool = False, top: int = 15) -> str:
+    """``ampdoctor report`` for the terminal."""
+    run, scale, rec, missing = report["run"], report["scale"], report["recommendation"], report["missing"]
+    sc = run["scaler"]
+    out = [_heading(f"ampdoctor report  {run['path']}", color),
+           f"{run['steps']} steps, {run['ranks']} rank(s), {run['amp_dtype']} on {run['device']}, level "
+           f"{run['level']}; {sc['class']}(init_scale={scale_str(sc['init_scale'])}, growth_factor="
+           f"{setting('growth_factor', sc['growth_factor'])}, backoff_factor={setting('backoff_factor', sc['backoff_factor'])}, "
+           f"growth_interval={setting('growth_interval', sc['growth_interval'])})", ""]
+    out.append(_heading("Loss scale", color))
+    if scale is None:
+        out.append(f"  {missing.get('scale', 'not enough data')}")
+    else:
+        skipped = f"{scale['skipped_steps']} skipped ({percent(scale['skipped_fraction'])})"
+        out.append(f"  initial {scale_str(scale['initial'])}, final {scale_str(scale['final'])}, range "
+                   f"{scale_str(scale['min'])}..{scale_str(scale['max'])}; "
+                   + _style(skipped, color, fg="red" if scale["skipped_steps"] else "green")
+                   + (f"; settled at step {scale['settle_step']}" if scale["settle_step"] else ""))
+    out += ["", _heading("Layers (worst underflow first)", color)]
+    if "layers" in missing:
+        out += _wrap(missing["layers"], "  ")
+    else:
+        out += ["  " + line for line in layers_table(report["layers"], top)]
+    out += ["", _heading("Overflow origins (most frequent first)", color)]
+    if report["overflow_origins"]:
+        for o in report["overflow_origins"][:10]:
+            steps = (f"step {o['first_step']}" if o["first_step"] == o["last_step"]
+                     else f"steps {o['first_step']}..{o['last_step']}")
+            out.append(f"  {o['count']:>4}x  {_clip(o['name'], 50)} ({o['kind']}, rank {o['rank']}), {steps}")
+    else:
+        out += _wrap(missing.get("overflow_origins", "none: no step overflowed"), "  ")
+    out += ["", _heading("Recommendation", color)]
+    if rec is None:
+        out += _wrap(missing.get("recommendation", "not enough data"), "  ")
+    else:
+        out.append("  " + VERDICTS[rec["verdict"]])
+        out.append("  " + _style(rec["code"], color, fg="cyan", bold=True))
+        cur, pred = rec["current"], rec["predicted"]
+        out.append(f"  predicted: {pred['skipped_steps']} skipped step(s) instead of {cur['skipped_steps']}, "
+                   f"underflow {percent(pred['underflow_rate'])} instead of {percent(cur['underflow_rate'])}")
+        for reason in rec["reasons"]:
+            out += _wrap(reason)
+        if rec["advice"]:
+            out += ["", _heading("Advice", color)]
+            for item in rec["advice"]:
+                out += _wrap(item)
+    if report["warnings"]:
+        out += ["", _heading("Warnings", color)]
+        for w in report["warnings"]:
+            out += _wrap(w)
+    return "\n".join(out)
+
+
+def simulate_text(sim: dict) -> str:
+    """``ampdoctor simulate``: the prediction next to what the run did."""
+    cfg, actual = sim["config"], sim["actual"]
+    settings = ", ".join(f"{k}={setting(k, cfg[k])}" for k in
+                         ("init_scale", "growth_factor", "backoff_factor", "growth_interval") )
+    extra = [f"{k}={setting(k, cfg[k])}" for k in ("hysteresis", "min_scale", "max_scale")
+             if cfg.get(k) not in (None, 1, 0.0)]
+    lines = [f"simulated {sim['steps']} recorded steps in {sim['target_dtype']} with GradScaler({settings}"
+             + (", " + ", ".join(extra) if extra else "") + ")", ""]
+    lines.append(f"{'':<18} {'simulated':>14} {'actual run':>14}")
+    a_cfg = actual["config"]
+    rows = [("skipped steps", str(sim["skipped_steps"]), str(actual["skipped_steps"])),
+            ("skipped fraction", percent(sim["skipped_fraction"]), percent(actual["skipped_fraction"])),
+            ("underflow rate", percent(sim["underflow_rate"]), percent(actual["underflow_rate"])),
+            ("final scale", scale_str(sim["scale"]["final"]), scale_str(actual["scale"]["final"])),
+            ("min scale", scale_str(sim["scale"]["min"]), scale_str(actual["scale"]["min"])),
+            ("max scale", scale_str(sim["scale"]["max"]), scale_str(actual["scale"]["max"]))]
+    lines += [f"{label:<18} {a:>14} {b:>14}" for label, a, b in rows]
+    if a_cfg is None:
+        lines.append("(the run itself used no loss scaling)")
+    if sim["uncertain_steps"]:
+        lines.append(f"{sim['uncertain_steps']} more step(s) may also overflow: their magnitude is only a lower bound")
+    lines.append(f"overflow threshold: largest gradient x scale > 2**{sim['threshold']['overflow_log2']:.1f} "
+                 f"({sim['threshold']['source']})")
+    top = [layer for layer in sim["layers"] if layer["underflow_rate"] > 0][:10]
+    if top:
+        lines += ["", "layers that would underflow:"]
+        lines += [f"  {_clip(layer['name'], 60):<60} {percent(layer['underflow_rate']):>9}" for layer in top]
+    for note in sim["notes"]:
+        lines += _wrap(note, "note: ", WIDTH)
+    return "\n".join(lines)
+
+
+def layers_text(data: dict) -> str:
+    """``ampdoctor layers``."""
+    if data["missing"]:
+        return data["missing"]
+    return "\n".join(layers_table(data["layers"]))

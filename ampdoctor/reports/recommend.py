@@ -1,0 +1,185 @@
+"""Recommended loss-scaler settings: a search over configurations with the simulator.
+
+Every candidate (init_scale 2^0..2^24, growth_interval 100..10000, growth and backoff factors) is
+replayed on the recorded steps (:mod:`ampdoctor.reports.simulate`). Its cost is
+``skipped + steady + uncertain + UNDERFLOW_WEIGHT · steps · underflow_rate``: an underflow rate of
+0.1% over the whole run costs as much as skipping 1% of its steps. ``steady`` counts the skips of a
+second pass over the recorded steps, continuing from the first pass's scaler state, so that a
+setting that only looks good because the run ended before its scale grew back into overflow (a
+low init_scale with a short growth_interval) is not chosen. Within the same format a candidate may not
+predict more underflow than the current settings (beyond 10%). Among candidates within half a step
+of the best cost, one that stays at least :data:`MARGIN_LOG2` binades below the overflow threshold
+on every applied step wins (gradients grow and vary: a setting right at the edge of the recorded
+ones overflows on the next spike); then the one that changes fewest settings; then the highest
+scale (least underflow); then the growth_interval closest to torch's default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .simulate import Outcome, Replay, ScalerConfig, replay, scale_literal
+
+UNDERFLOW_WEIGHT = 10.0
+INIT_EXPONENTS = range(0, 25)
+GROWTH_INTERVALS = (100, 200, 500, 1000, 2000, 5000, 10000)
+GROWTH_FACTORS = (2.0,)
+BACKOFF_FACTORS = (0.5, 0.25)
+UNDERFLOW_SLACK = 1.10        # "no worse" than the current settings, within this factor
+NEAR = 0.5                    # cost tolerance, in steps
+MARGIN_LOG2 = 2.0             # binades a recommended scale keeps below the overflow threshold
+BAD_SKIPPED = 0.05            # a fraction of skipped steps that no setting should leave
+BAD_UNDERFLOW = 0.01          # an underflow rate that no setting should leave
+
+
+@dataclass
+class Candidate:
+    outcome: Outcome
+    cost: float
+    changed: int
+
+
+def candidates(current: ScalerConfig | None) -> list[ScalerConfig]:
+    base = current or ScalerConfig()
+    inits = sorted({2.0**k for k in INIT_EXPONENTS} | {base.init_scale})
+    intervals = sorted(set(GROWTH_INTERVALS) | {base.growth_interval})
+    growths = sorted(set(GROWTH_FACTORS) | {base.growth_factor})
+    backoffs = sorted(set(BACKOFF_FACTORS) | {base.backoff_factor})
+    return [ScalerConfig(i, g, b, gi) for i in inits for g in growths for b in backoffs for gi in intervals]
+
+
+def _changed(cfg: ScalerConfig, base: ScalerConfig) -> int:
+    return sum(getattr(cfg, k) != getattr(base, k)
+               for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"))
+
+
+def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, device: str = "cuda",
+              settle_step: int | None = None, worst_modules: list[str] | None = None,
+              hot_activations: list[tuple[str, float]] | None = None) -> dict:
+    """The recommendation section of the report contract. ``current`` is None for a run whose
+    scaler was disabled (bf16/fp32): then the question is whether fp16 would work at all."""
+    series = prepared.series
+    n = len(series)
+    base = current or ScalerConfig()
+    outcomes = replay(prepared, candidates(current), passes=2)
+    baseline = replay(prepared, [base])[0]
+    same_format = series.fmt.name == prepared.target.name
+    cap = baseline.underflow_rate * UNDERFLOW_SLACK + 1e-9 if same_format and current is not None else math.inf
+    scored = [Candidate(o, o.skipped_steps + o.steady_skipped + o.uncertain_steps
+                        + UNDERFLOW_WEIGHT * n * o.underflow_rate,
+                        _changed(o.config, base)) for o in outcomes]
+    feasible = [c for c in scored if c.outcome.underflow_rate <= cap] or scored
+    best = min(c.cost for c in feasible)
+    near = [c for c in feasible if c.cost <= best + NEAR]
+    default = ScalerConfig()
+    chosen = min(near, key=lambda c: (max(0.0, MARGIN_LOG2 - c.outcome.margin_log2), c.changed,
+                                      -c.outcome.median_log2_scale,
+                                      abs(math.log(c.outcome.config.growth_interval / default.growth_interval)),
+                                      c.cost))
+    pick = chosen.outcome
+    cfg = pick.config
+    skipped_fraction = pick.skipped_steps / n if n else 0.0
+    if skipped_fraction > BAD_SKIPPED or pick.underflow_rate > BAD_UNDERFLOW:
+        verdict = "no_scale_works"
+    elif current is not None and chosen.changed == 0:
+        verdict = "keep"
+    else:
+        verdict = "change"
+    reasons = _reasons(prepared, current, actual, baseline, pick, settle_step)
+    advice = _advice(prepared, verdict, pick, worst_modules or [], hot_activations or [], current)
+    return {
+        "init_scale": cfg.init_scale, "growth_factor": cfg.growth_factor, "backoff_factor": cfg.backoff_factor,
+        "growth_interval": int(cfg.growth_interval), "target_dtype": prepared.target.name, "verdict": verdict,
+        "code": cfg.code(device, current),
+        "reasons": reasons, "advice": advice,
+        "current": {"skipped_steps": int(actual["skipped_steps"]), "underflow_rate": float(actual["underflow_rate"])},
+        "predicted": {"skipped_steps": pick.skipped_steps, "underflow_rate": pick.underflow_rate,
+                      "uncertain_steps": pick.uncertain_steps},
+        "baseline": {"config": base.to_dict(), "skipped_steps": baseline.skipped_steps,
+                     "underflow_rate": baseline.underflow_rate},
+    }
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3g}%"
+
+
+def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome, settle_step) -> list[str]:
+    series = prepared.series
+    cfg = pick.config
+    out = []
+    if current is None:
+        out.append(f"recorded in {series.fmt.name} without loss scaling; replayed in {prepared.target.name}: torch's "
+                   f"default GradScaler() would skip {baseline.skipped_steps} of {len(series)} steps with "
+                   f"{_pct(baseline.underflow_rate)} of gradient elements underflowing")
+    else:
+        if settle_step:
+            out.append(f"init_scale={scale_literal(current.init_scale)} overflowed at the start: the first "
+                       f"{settle_step} step(s) were skipped while the scale backed off to "
+                       f"{scale_literal(series.scale[min(settle_step, len(series) - 1)])}")
+        after_growth = _skips_after_growth(series)
+        if after_growth >= 2:
+            out.append(f"{after_growth} of the {int(series.skipped.sum())} skipped steps came right after the scale "
+                       f"grew (growth_interval={current.growth_interval}): the scale keeps growing back into "
+                       f"overflow")
+        if actual["underflow_rate"] > 1e-4:
+            out.append(f"at the recorded scales an estimated {_pct(actual['underflow_rate'])} of gradient elements "
+                       f"underflowed to zero (median scale {scale_literal(float(np.median(series.scale)))})")
+    out.append(f"overflow starts where the largest gradient times the scale reaches about "
+               f"2**{prepared.threshold.log2:.1f} (from {prepared.threshold.source})")
+    if current is not None and pick.config == current:
+        out.append(f"the current settings are the best found: {pick.skipped_steps} skipped step(s), "
+                   f"{_pct(pick.underflow_rate)} underflow")
+    else:
+        out.append(f"with {cfg.settings(current)} the replay predicts "
+                   f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and "
+                   f"{_pct(pick.underflow_rate)} underflow instead of {_pct(actual['underflow_rate'])}"
+                   + (f" ({pick.uncertain_steps} more step(s) uncertain)" if pick.uncertain_steps else ""))
+    return out
+
+
+def _skips_after_growth(series) -> int:
+    if len(series) < 2:
+        return 0
+    grew = np.concatenate([[False], series.scale[1:] > series.scale[:-1]])
+    return int((grew & series.skipped & ~series.forced).sum())
+
+
+def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot: list[tuple[str, float]],
+            current) -> list[str]:
+    series = prepared.series
+    out = []
+    named = ", ".join(f"`{m}`" for m in worst[:3])
+    for module, peak in hot[:3]:
+        out.append(f"`{module}` produced activations up to {peak:.3g}, beyond {prepared.target.name}'s max "
+                   f"{prepared.target.max:g}: its output overflows at any loss scale; keep it in float32 with "
+                   f"`torch.autocast(device_type, enabled=False)` or train in bfloat16")
+    if verdict == "no_scale_works":
+        good = series.amax[series.amax > 0]
+        span = (f" (gradients span 2**{np.log2(good.min()):.0f} to 2**{np.log2(good.max()):.0f})"
+                if len(good) else "")
+        out.append(f"no loss scale keeps both skipped steps under {_pct(BAD_SKIPPED)} and underflow under "
+                   f"{_pct(BAD_UNDERFLOW)} in {prepared.target.name}{span}: the window between overflow and "
+                   f"underflow is too narrow. Train in bfloat16 (`torch.autocast(..., dtype=torch.bfloat16)`, no "
+                   f"GradScaler needed)" + (f", or keep {named} in float32 with `autocast(enabled=False)`"
+                                             if named else ""))
+    collapsed = current is not None and len(series) and series.scale.min() < 1.0
+    late = series.skipped[-max(1, len(series) // 4):].mean() if len(series) else 0.0
+    if collapsed or late > 0.2:
+        finite = series.l2[(~series.skipped) & np.isfinite(series.l2)]
+        clip = f"{np.percentile(finite, 95):.3g}" if len(finite) else "1.0"
+        out.append(f"the scale collapsed (min {scale_literal(float(series.scale.min()))}, {_pct(late)} of the last "
+                   f"quarter's steps skipped): gradients grew until they overflow at any scale, which is an "
+                   f"optimisation problem: lower the learning rate, or clip after unscaling with "
+                   f"`scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})` "
+                   f"(the 95th percentile of the recorded gradient norm)")
+    if series.forced.any():
+        first = int(series.steps[np.argmax(series.forced)])
+        out.append(f"{int(series.forced.sum())} step(s) had a non-finite loss (first at step {first}); no scaler "
+                   f"setting avoids that: run `ampdoctor postmortem` on this run")
+    if verdict == "keep" and not out:
+        out.append("the current GradScaler settings are fine for this run")
+    return out

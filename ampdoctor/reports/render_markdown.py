@@ -1,0 +1,245 @@
+"""GitHub-flavoured Markdown renderers: pure functions from report data to a string.
+
+Everything that comes from the run (layer names, paths, messages) is escaped, so a name such as
+``a|b`` cannot break a table and ``<img ...>`` cannot become HTML where the Markdown is rendered."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+from .formatting import VERDICTS, binades, number, percent, scale_str, setting
+
+LAYER_ROWS = 50
+SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+SIM_KEYS = SCALER_KEYS + ("hysteresis", "min_scale", "max_scale")
+SECTIONS = ("scale", "layers", "overflow_origins", "recommendation")
+
+# CommonMark lets a backslash escape any ASCII punctuation; these are the ones that can start
+# emphasis, links, code, HTML, entities or table cells in the middle of a line.
+_INLINE_SPECIAL = re.compile(r"([\\`*_\[\]<>|&~])")
+# ... and these only at the start of a line (headings, lists, quotes, ordered lists).
+_LINE_START = re.compile(r"^([#+\-=]|\d+(?=[.)]))")
+
+
+def _text(s: object) -> str:
+    """Prose from the data, escaped so that it renders literally (on one line)."""
+    flat = " ".join(str(s).split())
+    flat = _INLINE_SPECIAL.sub(r"\\\1", flat)
+    return _LINE_START.sub(_escape_line_start, flat)
+
+
+def _escape_line_start(m: re.Match) -> str:
+    # "1." must become "1\." (a backslash before a digit is no escape); "#" becomes "\#".
+    s = m.group(1)
+    return s + "\\" if s[0].isdigit() else "\\" + s
+
+
+def _code(s: object, *, in_table: bool = True) -> str:
+    """``s`` as an inline code span: a fence longer than any backtick run inside it, and ``|``
+    escaped in tables (GFM splits cells before it parses code spans)."""
+    flat = " ".join(str(s).split())
+    if not flat:
+        return ""
+    ticks = "`" * (max((len(r) for r in re.findall(r"`+", flat)), default=0) + 1)
+    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
+    if in_table:
+        flat = flat.replace("|", r"\|")
+    return f"{ticks}{pad}{flat}{pad}{ticks}"
+
+
+def _fence(code: str, lang: str = "") -> list[str]:
+    """A fenced code block that the code itself cannot close."""
+    fence = "`" * max(3, max((len(r) for r in re.findall(r"`+", code)), default=0) + 1)
+    return [f"{fence}{lang}", code.rstrip("\n"), fence]
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Iterable[int] = (),
+           code: Iterable[int] = ()) -> list[str]:
+    """A GFM table of raw values, escaped here: ``code`` columns (names) as code spans, the others
+    as text (``2**16`` twice in a cell would otherwise turn bold). ``right``: numeric columns."""
+    right, code = set(right), set(code)
+    sep = ["---:" if i in right else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(sep) + " |"]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"table row has {len(row)} cells, header has {len(headers)}")
+        cells = [_code(c) if i in code else _text(c) for i, c in enumerate(row)]
+        lines.append("| " + " | ".join(c or " " for c in cells) + " |")
+    return lines
+
+
+def _bullets(items: Iterable[object]) -> list[str]:
+    return [f"- {_text(item)}" for item in items]
+
+
+def _field(label: str, value: object) -> str:
+    """A ``- **label**: value`` line; the value is escaped."""
+    return f"- **{label}**: {_text(value)}"
+
+
+def _missing_note(missing: dict, section: str) -> list[str]:
+    msg = missing.get(section)
+    return ["", f"> {_text(msg)}"] if msg else []
+
+
+def _layer_table(layers: Sequence[dict]) -> list[str]:
+    headers = ["#", "layer", "kind", "underflow", "zeros", "subnormal", "headroom (binades)",
+               "amax", "amin", "observations"]
+    rows = [[i, l.get("name", ""), l.get("kind", ""), percent(l.get("underflow_rate")),
+             percent(l.get("zero_rate")), percent(l.get("subnormal_rate")), binades(l.get("headroom_log2")),
+             number(l.get("amax")), number(l.get("amin")), l.get("observations", "—")]
+            for i, l in enumerate(layers, 1)]
+    return _table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9), code=(1, 2))
+
+
+def _run_section(run: dict) -> list[str]:
+    sc = run.get("scaler") or {}
+    args = ", ".join(f"{k}={setting(k, sc.get(k))}" for k in SCALER_KEYS if k in sc)
+    call = f"{sc.get('class', 'GradScaler')}({args})"
+    ranks, ended = run.get("ranks"), run.get("ended_cleanly")
+    return [
+        "## Run", "",
+        f"- **path**: {_code(run.get('path', ''), in_table=False)}",
+        _field("steps", f"{run.get('steps', '—')}" + (f" on {ranks} rank(s)" if ranks is not None else "")),
+        _field("AMP dtype", f"{run.get('amp_dtype') or '—'} on {run.get('device') or 'unknown device'}"),
+        _field("recording level", run.get("level") or "—"),
+        f"- **scaler**: {_code(call, in_table=False)}",
+        _field("ended cleanly", "—" if ended is None else "yes" if ended
+               else "no (killed, crashed or still running)"),
+    ]
+
+
+def _scale_section(scale: dict | None, missing: dict) -> list[str]:
+    lines = ["## Loss scale", ""]
+    if scale:
+        settle = scale.get("settle_step")
+        lines += [
+            _field("scale", f"{scale_str(scale.get('initial'))} at the start, "
+                            f"{scale_str(scale.get('final'))} at the end "
+                            f"(min {scale_str(scale.get('min'))}, max {scale_str(scale.get('max'))})"),
+            _field("skipped steps",
+                   f"{scale.get('skipped_steps', '—')} ({percent(scale.get('skipped_fraction'))})"),
+            _field("settled by step", "—" if settle is None else settle),
+        ]
+    elif not missing.get("scale"):
+        lines.append("No loss-scale data.")
+    return lines + _missing_note(missing, "scale")
+
+
+def _layers_section(layers: Sequence[dict], missing: dict) -> list[str]:
+    lines = ["## Layers", ""]
+    if layers:
+        shown = layers[:LAYER_ROWS]
+        if len(layers) > len(shown):
+            lines += [f"The {len(shown)} worst of {len(layers)} layers by underflow rate.", ""]
+        lines += _layer_table(shown)
+    elif not missing.get("layers"):
+        lines.append("No per-layer statistics.")
+    return lines + _missing_note(missing, "layers")
+
+
+def _origins_section(origins: Sequence[dict], missing: dict) -> list[str]:
+    lines = ["## Overflow origins", ""]
+    if origins:
+        rows = [[o.get("name", ""), o.get("kind", ""), o.get("rank", "—"), o.get("count", "—"),
+                 o.get("first_step", "—"), o.get("last_step", "—")] for o in origins]
+        lines += _table(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
+                        right=(2, 3, 4, 5), code=(0, 1))
+    elif not missing.get("overflow_origins"):
+        lines.append("No overflow was recorded.")
+    return lines + _missing_note(missing, "overflow_origins")
+
+
+def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> list[str]:
+    lines = ["## Recommendation", ""]
+    if rec:
+        verdict, target = rec.get("verdict"), rec.get("target_dtype")
+        lines += [f"**{_text(VERDICTS.get(verdict, verdict or 'No verdict.'))}**"
+                  + (f" (target format {_text(target)})" if target else ""), ""]
+        rows = [[k, setting(k, current.get(k)), setting(k, rec.get(k))] for k in SCALER_KEYS]
+        lines += _table(["setting", "current", "recommended"], rows, right=(1, 2), code=(0,)) + [""]
+        cur, pred = rec.get("current") or {}, rec.get("predicted") or {}
+        rows = [["skipped steps", cur.get("skipped_steps", "—"), pred.get("skipped_steps", "—")],
+                ["underflow rate", percent(cur.get("underflow_rate")), percent(pred.get("underflow_rate"))]]
+        lines += _table(["on this run", "current", "predicted"], rows, right=(1, 2))
+        if rec.get("code"):
+            lines += [""] + _fence(rec["code"], "python")
+        for title, key in (("Reasons", "reasons"), ("Advice", "advice")):
+            if rec.get(key):
+                lines += ["", f"### {title}", ""] + _bullets(rec[key])
+    elif not missing.get("recommendation"):
+        lines.append("No recommendation.")
+    return lines + _missing_note(missing, "recommendation")
+
+
+def report_markdown(report: dict) -> str:
+    """``ampdoctor report --format markdown``: run, loss scale, layers (the first 50), overflow
+    origins, recommendation, warnings, and why any section is missing."""
+    run = report.get("run") or {}
+    missing = report.get("missing") or {}
+    lines = ["# ampdoctor report", ""]
+    lines += _run_section(run) + [""]
+    lines += _scale_section(report.get("scale"), missing) + [""]
+    lines += _layers_section(report.get("layers") or [], missing) + [""]
+    lines += _origins_section(report.get("overflow_origins") or [], missing) + [""]
+    lines += _recommendation_section(report.get("recommendation"), run.get("scaler") or {}, missing) + [""]
+    lines += ["## Warnings", ""] + (_bullets(report.get("warnings") or []) or ["None."])
+    other = {k: v for k, v in missing.items() if k not in SECTIONS}
+    if other:
+        lines += ["", "## Not available", ""] + [_field(_text(k), v) for k, v in other.items()]
+    return "\n".join(lines) + "\n"
+
+
+def simulate_markdown(sim: dict) -> str:
+    """``ampdoctor simulate --format markdown``: the simulated scaler beside the recorded one."""
+    actual = sim.get("actual")
+    cols = ["simulated"] + (["recorded run"] if actual else [])
+    runs = [sim] + ([actual] if actual else [])
+    right = range(1, len(cols) + 1)
+    lines = ["# ampdoctor simulate", "",
+             _text(f"{sim.get('steps', '—')} recorded steps replayed in "
+                   f"{sim.get('target_dtype') or '—'}."),
+             "", "## Settings", ""]
+    lines += _table(["setting"] + cols,
+                    [[k] + [setting(k, (r.get("config") or {}).get(k)) for r in runs] for k in SIM_KEYS],
+                    right=right, code=(0,))
+    outcome = [
+        ["skipped steps"] + [f"{r.get('skipped_steps', '—')} ({percent(r.get('skipped_fraction'))})"
+                             for r in runs],
+        ["underflow rate"] + [percent(r.get("underflow_rate")) for r in runs],
+    ] + [[f"{which} scale"] + [scale_str((r.get("scale") or {}).get(which)) for r in runs]
+         for which in ("final", "min", "max")]
+    lines += ["", "## Outcome", ""] + _table([" "] + cols, outcome, right=right)
+    uncertain = sim.get("uncertain_steps")
+    if uncertain:
+        lines += ["", f"{uncertain} step(s) were too close to the overflow threshold to call either way."]
+    threshold = sim.get("threshold") or {}
+    if threshold.get("overflow_log2") is not None:
+        lines += ["", _text(f"Overflow threshold: scaled magnitudes above "
+                            f"2**{threshold['overflow_log2']:.6g} "
+                            f"({threshold.get('source') or 'unknown source'}).")]
+    lines += ["", "## Layers", ""]
+    layers = sim.get("layers") or []
+    if layers:
+        lines += _table(["layer", "kind", "underflow"],
+                        [[l.get("name", ""), l.get("kind", ""), percent(l.get("underflow_rate"))]
+                         for l in layers], right=(2,), code=(0, 1))
+    else:
+        lines.append("No per-layer statistics.")
+    if sim.get("notes"):
+        lines += ["", "## Notes", ""] + _bullets(sim["notes"])
+    return "\n".join(lines) + "\n"
+
+
+def layers_markdown(layers: dict) -> str:
+    """``ampdoctor layers --format markdown``: the per-layer table in the order it was sorted."""
+    rows = layers.get("layers") or []
+    lines = ["# ampdoctor layers", ""]
+    if rows:
+        lines += [_text(f"Sorted by {layers.get('sort') or 'underflow'}."), ""] + _layer_table(rows)
+    elif not layers.get("missing"):
+        lines.append("No per-layer statistics.")
+    if layers.get("missing"):
+        lines += ["", f"> {_text(layers['missing'])}"]
+    return "\n".join(lines) + "\n"
