@@ -165,7 +165,7 @@ def demo(path: str, steps: int | None, device: str, seed: int) -> None:
                           seed=seed, progress=bar.update)
     click.echo(f"Trained {result.steps} steps on {result.device}: final loss {result.final_loss:.3f}, "
                f"final scale {result.final_scale:g}.")
-    click.echo(f"Wrote {result.path}. Look at it with:\n  ampdoctor info {result.path}")
+    click.echo(f"Wrote {result.path}. Read it with:\n  ampdoctor report {result.path}")
 
 
 def _cuda() -> bool:

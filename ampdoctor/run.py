@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -100,12 +101,28 @@ class Run:
                 present = [c for c in columns if c in source.schema_arrow.names]
                 for batch in source.iter_batches(batch_size=batch_rows, columns=present):
                     if kinds is not None:
-                        batch = batch.filter(pc.is_in(pc.cast(batch.column("kind"), pa.string()),
-                                                      pa.array(list(kinds))))
+                        batch = batch.filter(kind_mask(batch.column("kind"), kinds))
                     if batch.num_rows:
                         yield _with_columns(batch, columns)
             except (pa.ArrowException, OSError) as exc:
                 self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+
+    def step_range(self) -> tuple[int, int] | None:
+        """The first and last step, from the footers' column statistics (no data read)."""
+        lo, hi = None, None
+        for segment in self.segments:
+            try:
+                meta = pq.read_metadata(segment.path)
+                index = meta.schema.to_arrow_schema().get_field_index("step")
+                for g in range(meta.num_row_groups):
+                    stats = meta.row_group(g).column(index).statistics
+                    if stats is None or not stats.has_min_max:
+                        return None
+                    lo = stats.min if lo is None else min(lo, stats.min)
+                    hi = stats.max if hi is None else max(hi, stats.max)
+            except (pa.ArrowException, OSError):
+                continue
+        return None if lo is None else (int(lo), int(hi))
 
     def _read(self, segment: Segment, columns, kinds, steps) -> pa.Table | None:
         filters = []
@@ -172,6 +189,17 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     ``df.attrs["metadata"]`` holds the run metadata and ``df.attrs["warnings"]`` the skipped
     segments. Raises :class:`RunError` for a path that is not a readable run."""
     return read_run(path).frame
+
+
+def kind_mask(column: pa.Array, kinds: Sequence[str]) -> pa.Array:
+    """Which rows of a (dictionary-encoded) ``kind`` column are one of ``kinds``: compares the
+    few dictionary entries, not every row's string."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if isinstance(column, pa.DictionaryArray):
+        wanted = np.flatnonzero(np.isin(np.asarray(column.dictionary.to_pylist(), dtype=object), list(kinds)))
+        return pa.array(np.isin(column.indices.to_numpy(zero_copy_only=False), wanted))
+    return pc.is_in(column, pa.array(list(kinds)))
 
 
 def to_frame(table: pa.Table) -> pd.DataFrame:

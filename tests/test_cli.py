@@ -43,7 +43,7 @@ def test_demo_writes_a_run_that_info_reads(cli, tmp_path):
     out = tmp_path / "demo.parquet"
     result = cli.invoke(main, ["demo", "--out", str(out), "--steps", "8", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert f"ampdoctor info {out}" in result.output
+    assert f"ampdoctor report {out}" in result.output
     info = json.loads(cli.invoke(main, ["info", str(out), "--format", "json"]).output)
     assert info["steps"] == 8 and info["amp_dtype"] == "float16" and info["tensors"] == 29
 

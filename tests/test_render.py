@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from ampdoctor.reports.formatting import binades, number, percent, scale_str, setting, shorten
@@ -142,6 +143,9 @@ def test_formatting_helpers():
     assert (number(2.5e-3), number(None), binades(-1.2), binades(None)) == ("0.0025", "—", "-1.2", "—")
     assert setting("init_scale", 4096.0) == "2**12"
     assert setting("growth_interval", 2000.0) == "2000" and setting("hysteresis", None) == "—"
+    # reports built from pandas may carry numpy scalars
+    assert (percent(np.float32("nan")), percent(np.float32(0.5)), scale_str(np.float64(1024.0))) == \
+        ("—", "50%", "2**10")
     short = shorten("encoder.layers.11.self_attn.out_proj.weight", 30)
     assert len(short) == 30 and short.endswith("out_proj.weight") and "…" in short
 
@@ -224,7 +228,7 @@ def test_report_html_sections():
     for sid in ("run", "scale", "layers", "overflow-origins", "recommendation", "warnings"):
         assert f'<section id="{sid}">' in page
     text = html_text(page)
-    assert '<pre><code class="language-python">torch.amp.GradScaler(&quot;cuda&quot;, init_scale=2**12, ' \
+    assert '<pre><code class="language-python">torch.amp.GradScaler("cuda", init_scale=2**12, ' \
            "growth_interval=500)</code></pre>" in text
     assert "Change the scaler settings." in text and "<h3>Reasons</h3>" in text and "<h3>Advice</h3>" in text
     assert "rank 1 has no rows" in text and "12.3%" in text and "2**15" in text
@@ -236,6 +240,9 @@ def test_report_html_escapes_everything():
     assert "&lt;img src=x onerror=alert(1)&gt;" in page
     assert "onerror=alert(1)>" not in page
     assert "<script" not in page.lower()
+    hostile = make_report()
+    hostile["recommendation"]["verdict"] = '"><img src=x>'  # the one data value inside an attribute
+    assert '<p class="verdict &quot;&gt;&lt;img src=x&gt;">' in report_html(hostile)
 
 
 def test_report_html_is_self_contained():
@@ -270,7 +277,7 @@ def test_report_html_missing_sections_and_charts():
     assert "<svg" not in page
     for chart in ("loss scale chart", "gradient magnitude heatmap", "underflow rate chart", "headroom chart"):
         assert f"Not enough data for the {chart}." in text
-    assert "not enough data: no per-parameter rows; record with level=&#x27;params&#x27;" in text
+    assert "not enough data: no per-parameter rows; record with level='params'" in text
     assert "not enough data: &lt;no gradient statistics&gt;" in text
     assert '<section id="not-available">' in text and "only for runs that went non-finite" in text
     no_charts = make_report()
@@ -287,7 +294,7 @@ def test_report_html_degenerate_inputs():
     r["charts"]["heatmap"]["low"] = [[math.nan] * 4] * 4
     r["charts"]["format"]["name"] = "bfloat16"
     page = report_html(r)
-    assert "every layer&#x27;s underflow rate is 0" in page
+    assert "every layer's underflow rate is 0" in page
     assert "Not enough data for the gradient magnitude heatmap." in page
     bf16 = make_report()
     bf16["charts"]["format"].update(max_log2=128.0, underflow_log2=-134.0, normal_log2=-126.0)

@@ -1,5 +1,6 @@
 """fp16 underflow really happens on the CPU, and the run shows it on the layers where it happens."""
 
+import pytest
 import torch
 
 import ampdoctor
@@ -46,3 +47,53 @@ def test_low_scale_shows_underflow_high_scale_shows_none(tmp_path):
         assert high.loc[name, "n_zero"] == 0, name
         assert high.loc[name, "n_subnormal"] == 0, name
     assert high["n_inf"].sum() == 0 and high["n_nan"].sum() == 0  # no overflow traded for it
+
+
+def _layer_rates(path):
+    from ampdoctor.reports.summary import layers_report
+    return {r["name"]: r for r in layers_report(path)["layers"] if r["kind"] == "param_grad"}
+
+
+def test_underflow_rate_matches_an_fp32_reference(tmp_path):
+    """The README's definition: elements nonzero in exact arithmetic that are 0 in the fp16 run.
+    The reference is the same batch in fp32; the run has one step, so the rates compare 1:1."""
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = batches(1, seed=5)[0]
+    path = tmp_path / "low.parquet"
+    scaler = ampdoctor.GradScaler("cpu", init_scale=1.0, model=model, path=path, amp_dtype=torch.float16)
+    scaler.scale(mse(model, x, y) * TINY).backward()
+    fp16 = {n: p.grad.clone() for n, p in model.named_parameters()}
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    scaler.update()
+    scaler.close()
+    model.zero_grad()
+    with torch.autocast("cpu", enabled=False):
+        (torch.nn.functional.mse_loss(model(x), y) * TINY).backward()
+    rates = _layer_rates(path)
+    total_true = total_estimated = 0.0
+    for name, p in model.named_parameters():
+        true = ((p.grad != 0) & (fp16[name] == 0)).sum().item()
+        estimated = rates[name]["underflow_rate"] * p.numel()
+        assert estimated == pytest.approx(true, abs=max(1.0, 0.1 * true)), name
+        total_true += true
+        total_estimated += estimated
+    assert total_true > 10  # the scale really was too low
+
+
+def test_structural_zeros_are_not_underflow(tmp_path):
+    """Dead ReLU units give exact zeros at any scale: zeros, but no underflow."""
+    torch.manual_seed(0)
+    model = MLP(act=torch.nn.ReLU)
+    with torch.no_grad():
+        model.fc1.bias[:16] = -100.0  # half the units never fire
+    x, y = batches(1, seed=5)[0]
+    path = tmp_path / "dead.parquet"
+    scaler = ampdoctor.GradScaler("cpu", init_scale=2.0**12, model=model, path=path, amp_dtype=torch.float16)
+    scaler.scale(mse(model, x, y)).backward()
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    scaler.update()
+    scaler.close()
+    rates = _layer_rates(path)
+    assert rates["fc2.weight"]["zero_rate"] >= 0.5  # the dead units' columns
+    assert rates["fc2.weight"]["underflow_rate"] < 0.01

@@ -9,7 +9,8 @@ MISSING = "—"
 
 
 def _missing(x: float | None) -> bool:
-    return x is None or (isinstance(x, float) and math.isnan(x))
+    # math.isnan, not isinstance(x, float): numpy scalars from pandas are not all float subclasses.
+    return x is None or math.isnan(x)
 
 
 def percent(x: float | None) -> str:
@@ -61,7 +62,7 @@ _SCALE_KEYS = frozenset({"init_scale", "min_scale", "max_scale"})
 def setting(key: str, value: object) -> str:
     """One GradScaler setting by its keyword: scales as :func:`scale_str`, factors in ``%g``,
     intervals as integers."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None or (isinstance(value, (int, float)) and _missing(value)):
         return MISSING
     if key in _SCALE_KEYS:
         return scale_str(value)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..formats import FloatFormat, float_format
-from ..run import Run
+from ..run import Run, _empty_table, kind_mask
 from .underflow import lost_at_cutoff
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
@@ -32,6 +33,8 @@ SORTS = {"underflow": ("underflow_rate", False), "headroom": ("headroom_log2", T
 HEATMAP_BUCKETS = 200  # step columns of the heatmap at most
 LOW_QUANTILE = 0.10    # the heatmap's "low" magnitude: this quantile of the nonzero elements
 
+STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
+                "n_nan", "n_inf", "hist"]
 _COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "n_zero",
             "n_subnormal", "n_nan", "n_inf", "hist"]
 
@@ -46,86 +49,180 @@ class LayerScan:
     activation_peak: pd.DataFrame              # per module: largest finite output amax (unscaled)
     heatmap_steps: np.ndarray                  # first step of each heatmap column
     heatmap: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name → (high, low)
+    step_rows: pa.Table | None = None          # the run's step rows (STEP_COLUMNS), met during the pass
 
     @property
     def empty(self) -> bool:
         return self.layers.empty
 
 
-def scan_layers(run: Run, amp: FloatFormat, *, first_step: int, last_step: int,
-                min_exp: int, bins: int, batch_rows: int = 1 << 16) -> LayerScan:
-    """Aggregate every full module and parameter row of ``run``. ``first_step``..``last_step``
-    (from the step rows) fix the heatmap's columns before the pass."""
+def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
+                batch_rows: int = 1 << 16) -> LayerScan:
+    """Aggregate every full module and parameter row of ``run``, batch by batch with numpy
+    reductions keyed by layer (memory: one batch plus O(layers x heatmap columns)). The step rows
+    met on the way are kept (``LayerScan.step_rows``), so the run is read once."""
+    first_step, last_step = run.step_range() or (0, 0)
     span = max(1, last_step - first_step + 1)
     width = max(1, math.ceil(span / HEATMAP_BUCKETS))
     columns = math.ceil(span / width)
-    parts, lost_parts, peak_parts, act_parts = [], [], [], []
-    heat: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for batch in run.batches(_COLUMNS, kinds=LAYER_KINDS, batch_rows=batch_rows):
-        batch = batch.filter(pa.compute.is_valid(batch.column("n_zero")))  # full rows only
-        if not batch.num_rows:
-            continue
-        frame, hist = _frame_and_hist(batch, bins)
-        _judge(frame, hist, amp, min_exp)
-        parts.append(frame.groupby(["name", "kind"], observed=True, sort=False).agg(
-            numel=("numel", "sum"), n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"),
-            lost=("lost", "sum"), observations=("numel", "size"), nonfinite=("nonfinite", "sum"),
-            amax=("amax_finite", "max"), amin=("amin", "min"), headroom_log2=("headroom", "min")))
-        params = frame[frame["kind"] == "param_grad"]
-        lost_parts.append(params.groupby("step").agg(lost=("lost", "sum"), n_zero=("n_zero", "sum")))
-        grads = frame[frame["kind"] == "grad_output"]
-        peak_parts.append(grads.groupby("step")["amax_finite"].max())
-        outputs = frame[frame["kind"] == "output"]
-        act_parts.append(outputs.groupby("name", observed=True).agg(
-            amax=("amax", "max"), nonfinite=("nonfinite", "sum"), dtype=("dtype", "first")))
-        if len(params):
-            _heat(heat, params, frame.loc[params.index, "low_log2"], first_step, width, columns)
-    layers = _combine(parts)
-    param_lost = (pd.concat(lost_parts).groupby(level=0).sum() if lost_parts
-                  else pd.DataFrame(columns=["lost", "n_zero"]))
-    module_peak = pd.concat(peak_parts).groupby(level=0).max() if peak_parts else pd.Series(dtype=float)
-    activation_peak = (pd.concat(act_parts).groupby(level=0).agg(
-        {"amax": "max", "nonfinite": "sum", "dtype": "first"}) if act_parts
-        else pd.DataFrame(columns=["amax", "nonfinite", "dtype"]))
-    steps = first_step + width * np.arange(columns)
-    return LayerScan(layers, param_lost, module_peak, activation_peak, steps, heat)
+    acc = _Accumulator(span, columns)
+    step_rows = []
+    for batch in run.batches(_COLUMNS + [c for c in STEP_COLUMNS if c not in _COLUMNS], batch_rows=batch_rows):
+        is_step = kind_mask(batch.column("kind"), ["step"])
+        steps = batch.filter(is_step)
+        if steps.num_rows:
+            step_rows.append(steps.select(STEP_COLUMNS))
+        rows = batch.filter(pc.and_(pc.invert(is_step), pc.is_valid(batch.column("n_zero"))))  # full rows only
+        if rows.num_rows:
+            acc.add(rows.select(_COLUMNS), amp, min_exp, bins, first_step, width)
+    scan = acc.result(first_step, width)
+    scan.step_rows = pa.Table.from_batches(step_rows) if step_rows else _empty_table(STEP_COLUMNS)
+    return scan
 
 
-def _frame_and_hist(batch: pa.RecordBatch, bins: int) -> tuple[pd.DataFrame, np.ndarray]:
-    hist_column = batch.column("hist")
-    frame = pa.Table.from_batches([batch.drop_columns(["hist"])]).to_pandas()
-    if hist_column.null_count == len(hist_column):
-        hist = np.zeros((len(frame), bins))
-    else:
-        filled = hist_column.fill_null(pa.scalar([0] * bins, hist_column.type)) if hist_column.null_count else hist_column
-        hist = np.asarray(filled.flatten(), dtype=np.float64).reshape(-1, bins)
-    for c in ("name", "kind", "dtype"):
-        frame[c] = frame[c].astype(str)
-    return frame, hist
+def _dictionary(column: pa.Array) -> tuple[list[str], np.ndarray]:
+    """A string column as (its distinct values, each row's index into them)."""
+    if not isinstance(column, pa.DictionaryArray):
+        column = column.dictionary_encode()
+    return [str(v) for v in column.dictionary.to_pylist()], column.indices.to_numpy(zero_copy_only=False)
 
 
-def _judge(frame: pd.DataFrame, hist: np.ndarray, amp: FloatFormat, min_exp: int) -> None:
-    """Add, per row: the format, scale, cut-off, estimated lost elements and headroom."""
-    own = frame["dtype"].map(_format_or_none)
-    formats = np.where(frame["kind"] == "param_grad", amp, own.where(own.notna(), amp))
-    fmax = np.array([f.max for f in formats])
-    below = np.array([f.underflow_below for f in formats])
-    scale = np.where(frame["kind"] == "output", 1.0, frame["scale"].to_numpy(dtype=np.float64))
-    scale = np.where(scale > 0, scale, np.nan)  # a collapsed scale of 0 judges nothing
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cut = np.log2(below / scale)
-    frame["lost"] = lost_at_cutoff(hist, frame["n_zero"].to_numpy(), frame["n_subnormal"].to_numpy(), cut,
-                                   min_exp)
-    frame["nonfinite"] = (frame["n_nan"] + frame["n_inf"]) > 0
-    amax = frame["amax"].to_numpy(dtype=np.float64)
-    finite = ~frame["nonfinite"].to_numpy()
-    frame["amax_finite"] = np.where(finite, amax, np.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        headroom = np.log2(fmax / (amax * scale))
-    frame["headroom"] = np.where(finite & (amax > 0), headroom, np.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        frame["low_log2"] = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
-        frame["high_log2"] = np.where(amax > 0, np.log2(np.where(amax > 0, amax, 1.0) * scale), np.nan)
+class _Accumulator:
+    """Running per-layer sums, minima and maxima; layers get ids as they are first seen."""
+
+    def __init__(self, span: int, columns: int) -> None:
+        self.ids: dict[tuple[str, str], int] = {}
+        self.dtypes: list[str] = []
+        self.columns = columns
+        self.sums = np.zeros((6, 16))          # numel, n_zero, n_subnormal, lost, observations, nonfinite
+        self.amax = np.full(16, -np.inf)
+        self.amin = np.full(16, np.inf)
+        self.headroom = np.full(16, np.inf)
+        self.output_peak = np.full(16, -np.inf)  # output rows: the largest finite activation
+        self.high = np.full((16, columns), -np.inf)
+        self.low = np.full((16, columns), np.inf)
+        self.param_lost = np.zeros(span)
+        self.param_zero = np.zeros(span)
+        self.param_seen = np.zeros(span, dtype=bool)
+        self.module_peak = np.full(span, -np.inf)
+
+    def _layer_ids(self, batch: pa.RecordBatch) -> np.ndarray:
+        """Global layer ids of the rows, from the small per-batch dictionaries (not the strings)."""
+        (names, name_idx), (kinds, kind_idx), (dtypes, dtype_idx) = (
+            _dictionary(batch.column(c)) for c in ("name", "kind", "dtype"))
+        pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
+        unique, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+        local = np.empty(len(unique), dtype=np.int64)
+        for i, code in enumerate(unique):
+            key = (names[code // len(kinds)], kinds[code % len(kinds)])
+            if key not in self.ids:
+                self.ids[key] = len(self.ids)
+                self.dtypes.append(dtypes[dtype_idx[first[i]]])
+            local[i] = self.ids[key]
+        self._grow(len(self.ids))
+        return local[inverse.ravel()]
+
+    def _grow(self, n: int) -> None:
+        size = self.amax.shape[0]
+        if n <= size:
+            return
+        pad = max(n, 2 * size) - size
+        self.sums = np.pad(self.sums, ((0, 0), (0, pad)))
+        self.amax = np.pad(self.amax, (0, pad), constant_values=-np.inf)
+        self.amin = np.pad(self.amin, (0, pad), constant_values=np.inf)
+        self.headroom = np.pad(self.headroom, (0, pad), constant_values=np.inf)
+        self.output_peak = np.pad(self.output_peak, (0, pad), constant_values=-np.inf)
+        self.high = np.pad(self.high, ((0, pad), (0, 0)), constant_values=-np.inf)
+        self.low = np.pad(self.low, ((0, pad), (0, 0)), constant_values=np.inf)
+
+    def add(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
+            width: int) -> None:
+        layer = self._layer_ids(batch)
+        kinds, kind_idx = _dictionary(batch.column("kind"))
+        kind = np.asarray(kinds, dtype=object)[kind_idx]
+        dtypes, dtype_idx = _dictionary(batch.column("dtype"))
+        formats = [_format_or_none(d) or amp for d in dtypes]
+        col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
+               ("step", "scale", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf")}
+        hist = _hist_matrix(batch.column("hist"), bins)
+        param = kind == "param_grad"
+        output = kind == "output"
+        # Each row is judged in the format its values lived in (see the module docstring).
+        fmax = np.where(param, amp.max, np.array([f.max for f in formats])[dtype_idx])
+        below = np.where(param, amp.underflow_below, np.array([f.underflow_below for f in formats])[dtype_idx])
+        scale = np.where(output, 1.0, col["scale"].astype(np.float64))
+        scale = np.where(scale > 0, scale, np.nan)  # a collapsed scale of 0 judges nothing
+        amax = col["amax"].astype(np.float64)
+        nonfinite = (col["n_nan"] + col["n_inf"]) > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cut = np.log2(below / scale)
+            lost = lost_at_cutoff(hist, col["n_zero"], col["n_subnormal"], cut, min_exp)
+            headroom = np.where(~nonfinite & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
+            high = np.where(amax > 0, np.log2(np.where(amax > 0, amax, 1.0) * scale), -np.inf)
+            low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
+        finite_amax = np.where(nonfinite, -np.inf, amax)
+        n = len(self.ids)
+        for i, values in enumerate((col["numel"], col["n_zero"], col["n_subnormal"], lost,
+                                    np.ones(len(layer)), nonfinite)):
+            self.sums[i, :n] += np.bincount(layer, weights=np.asarray(values, dtype=np.float64), minlength=n)
+        np.maximum.at(self.amax, layer, finite_amax)
+        amin = col["amin"].astype(np.float64)
+        np.minimum.at(self.amin, layer, np.where(np.isnan(amin), np.inf, amin))
+        np.minimum.at(self.headroom, layer, np.where(np.isnan(headroom), np.inf, headroom))
+        np.maximum.at(self.output_peak, layer[output], finite_amax[output])
+        offset = col["step"] - first_step
+        inside = (offset >= 0) & (offset < len(self.param_lost))
+        p = param & inside
+        np.add.at(self.param_lost, offset[p], lost[p])
+        np.add.at(self.param_zero, offset[p], col["n_zero"][p])
+        self.param_seen[offset[p]] = True
+        g = (kind == "grad_output") & inside
+        np.maximum.at(self.module_peak, offset[g], finite_amax[g])
+        column = np.clip(offset // width, 0, self.columns - 1)
+        np.maximum.at(self.high, (layer[p], column[p]), np.nan_to_num(high[p], nan=-np.inf))
+        np.minimum.at(self.low, (layer[p], column[p]), np.nan_to_num(low[p], nan=np.inf))
+
+    def result(self, first_step: int, width: int) -> LayerScan:
+        n = len(self.ids)
+        keys = list(self.ids)
+        sums = self.sums[:, :n]
+        numel = np.maximum(sums[0], 1)
+        layers = pd.DataFrame({
+            "name": pd.Series([k[0] for k in keys], dtype=object),
+            "kind": pd.Series([k[1] for k in keys], dtype=object),
+            "underflow_rate": sums[3] / numel, "zero_rate": sums[1] / numel, "subnormal_rate": sums[2] / numel,
+            "headroom_log2": _inf_to_nan(self.headroom[:n]), "amax": _inf_to_nan(self.amax[:n]),
+            "amin": _inf_to_nan(self.amin[:n]), "observations": sums[4].astype(int),
+            "nonfinite": sums[5].astype(int)})
+        steps = first_step + np.arange(len(self.param_lost))
+        seen = self.param_seen
+        param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen]},
+                                  index=steps[seen])
+        peak = self.module_peak > -np.inf
+        module_peak = pd.Series(self.module_peak[peak], index=steps[peak])
+        outputs = [i for i, k in enumerate(keys) if k[1] == "output"]
+        activation_peak = pd.DataFrame({"amax": _inf_to_nan(self.output_peak[outputs]),
+                                        "nonfinite": sums[5][outputs].astype(int),
+                                        "dtype": [self.dtypes[i] for i in outputs]},
+                                       index=[keys[i][0] for i in outputs])
+        heat = {name: (_inf_to_nan(self.high[i]), _inf_to_nan(self.low[i]))
+                for i, (name, kind) in enumerate(keys) if kind == "param_grad"}
+        return LayerScan(layers, param_lost, module_peak, activation_peak,
+                         first_step + width * np.arange(self.columns), heat)
+
+
+def _inf_to_nan(values: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(values), values, np.nan)
+
+
+def _hist_matrix(column: pa.Array, bins: int) -> np.ndarray:
+    """The histograms as float32 [rows, bins] (exact below 2^24 per bin; half the memory traffic
+    of float64 on the report's hottest path)."""
+    if column.null_count == len(column):
+        return np.zeros((len(column), bins), dtype=np.float32)
+    if column.null_count:
+        column = column.fill_null(pa.scalar([0] * bins, column.type))
+    return np.asarray(column.flatten(), dtype=np.float32).reshape(-1, bins)
 
 
 def _format_or_none(dtype: str) -> FloatFormat | None:
@@ -141,40 +238,6 @@ def _quantile_log2(hist: np.ndarray, q: float, min_exp: int) -> np.ndarray:
     cum = np.cumsum(hist, axis=1)
     index = (cum < (q * total)[:, None]).sum(axis=1)
     return np.where(total > 0, min_exp + index, np.nan).astype(np.float64)
-
-
-def _heat(heat, params: pd.DataFrame, low: pd.Series, first_step: int, width: int, columns: int) -> None:
-    column = ((params["step"].to_numpy() - first_step) // width).clip(0, columns - 1)
-    frame = pd.DataFrame({"name": params["name"].to_numpy(), "col": column,
-                          "high": params["high_log2"].to_numpy(), "low": low.to_numpy()})
-    grouped = frame.groupby(["name", "col"]).agg(high=("high", "max"), low=("low", "min"))
-    for (name, col), high_value, low_value in zip(grouped.index, grouped["high"], grouped["low"]):
-        if name not in heat:
-            heat[name] = (np.full(columns, np.nan), np.full(columns, np.nan))
-        high, lowest = heat[name]
-        high[col] = np.fmax(high[col], high_value)
-        lowest[col] = np.fmin(lowest[col], low_value)
-
-
-def _combine(parts: list[pd.DataFrame]) -> pd.DataFrame:
-    if not parts:
-        return pd.DataFrame(columns=["name", "kind", "underflow_rate", "zero_rate", "subnormal_rate",
-                                     "headroom_log2", "amax", "amin", "observations", "nonfinite"])
-    totals = pd.concat(parts).groupby(level=[0, 1], sort=False).agg(
-        {"numel": "sum", "n_zero": "sum", "n_subnormal": "sum", "lost": "sum", "observations": "sum",
-         "nonfinite": "sum", "amax": "max", "amin": "min", "headroom_log2": "min"})
-    numel = totals["numel"].clip(lower=1)
-    out = pd.DataFrame({
-        "underflow_rate": totals["lost"] / numel,
-        "zero_rate": totals["n_zero"] / numel,
-        "subnormal_rate": totals["n_subnormal"] / numel,
-        "headroom_log2": totals["headroom_log2"],
-        "amax": totals["amax"],
-        "amin": totals["amin"],
-        "observations": totals["observations"].astype(int),
-        "nonfinite": totals["nonfinite"].astype(int),
-    }).reset_index()
-    return out
 
 
 def sort_layers(layers: pd.DataFrame, by: str = "underflow") -> pd.DataFrame:

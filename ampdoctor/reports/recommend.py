@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .simulate import Outcome, Replay, ScalerConfig, replay, scale_literal
+from .formatting import percent, scale_str
+from .simulate import Outcome, Replay, ScalerConfig, replay
 
 UNDERFLOW_WEIGHT = 10.0
 INIT_EXPONENTS = range(0, 25)
@@ -103,10 +104,6 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     }
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.3g}%"
-
-
 def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome, settle_step) -> list[str]:
     series = prepared.series
     cfg = pick.config
@@ -114,29 +111,29 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
     if current is None:
         out.append(f"recorded in {series.fmt.name} without loss scaling; replayed in {prepared.target.name}: torch's "
                    f"default GradScaler() would skip {baseline.skipped_steps} of {len(series)} steps with "
-                   f"{_pct(baseline.underflow_rate)} of gradient elements underflowing")
+                   f"{percent(baseline.underflow_rate)} of gradient elements underflowing")
     else:
         if settle_step:
-            out.append(f"init_scale={scale_literal(current.init_scale)} overflowed at the start: the first "
+            out.append(f"init_scale={scale_str(current.init_scale)} overflowed at the start: the first "
                        f"{settle_step} step(s) were skipped while the scale backed off to "
-                       f"{scale_literal(series.scale[min(settle_step, len(series) - 1)])}")
+                       f"{scale_str(series.scale[min(settle_step, len(series) - 1)])}")
         after_growth = _skips_after_growth(series)
         if after_growth >= 2:
             out.append(f"{after_growth} of the {int(series.skipped.sum())} skipped steps came right after the scale "
                        f"grew (growth_interval={current.growth_interval}): the scale keeps growing back into "
                        f"overflow")
         if actual["underflow_rate"] > 1e-4:
-            out.append(f"at the recorded scales an estimated {_pct(actual['underflow_rate'])} of gradient elements "
-                       f"underflowed to zero (median scale {scale_literal(float(np.median(series.scale)))})")
+            out.append(f"at the recorded scales an estimated {percent(actual['underflow_rate'])} of gradient elements "
+                       f"underflowed to zero (median scale {scale_str(float(np.median(series.scale)))})")
     out.append(f"overflow starts where the largest gradient times the scale reaches about "
                f"2**{prepared.threshold.log2:.1f} (from {prepared.threshold.source})")
     if current is not None and pick.config == current:
         out.append(f"the current settings are the best found: {pick.skipped_steps} skipped step(s), "
-                   f"{_pct(pick.underflow_rate)} underflow")
+                   f"{percent(pick.underflow_rate)} underflow")
     else:
         out.append(f"with {cfg.settings(current)} the replay predicts "
                    f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and "
-                   f"{_pct(pick.underflow_rate)} underflow instead of {_pct(actual['underflow_rate'])}"
+                   f"{percent(pick.underflow_rate)} underflow instead of {percent(actual['underflow_rate'])}"
                    + (f" ({pick.uncertain_steps} more step(s) uncertain)" if pick.uncertain_steps else ""))
     return out
 
@@ -161,8 +158,8 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
         good = series.amax[series.amax > 0]
         span = (f" (gradients span 2**{np.log2(good.min()):.0f} to 2**{np.log2(good.max()):.0f})"
                 if len(good) else "")
-        out.append(f"no loss scale keeps both skipped steps under {_pct(BAD_SKIPPED)} and underflow under "
-                   f"{_pct(BAD_UNDERFLOW)} in {prepared.target.name}{span}: the window between overflow and "
+        out.append(f"no loss scale keeps both skipped steps under {percent(BAD_SKIPPED)} and underflow under "
+                   f"{percent(BAD_UNDERFLOW)} in {prepared.target.name}{span}: the window between overflow and "
                    f"underflow is too narrow. Train in bfloat16 (`torch.autocast(..., dtype=torch.bfloat16)`, no "
                    f"GradScaler needed)" + (f", or keep {named} in float32 with `autocast(enabled=False)`"
                                              if named else ""))
@@ -171,7 +168,7 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
     if collapsed or late > 0.2:
         finite = series.l2[(~series.skipped) & np.isfinite(series.l2)]
         clip = f"{np.percentile(finite, 95):.3g}" if len(finite) else "1.0"
-        out.append(f"the scale collapsed (min {scale_literal(float(series.scale.min()))}, {_pct(late)} of the last "
+        out.append(f"the scale collapsed (min {scale_str(float(series.scale.min()))}, {percent(late)} of the last "
                    f"quarter's steps skipped): gradients grew until they overflow at any scale, which is an "
                    f"optimisation problem: lower the learning rate, or clip after unscaling with "
                    f"`scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})` "

@@ -51,11 +51,24 @@ figure{margin:1.2em 0}figure svg{max-width:100%;height:auto}figcaption{color:#55
 
 
 def _e(x: object) -> str:
+    """Text content, escaped (``<``, ``>``, ``&``; quotes are harmless outside attributes and stay
+    readable in the source)."""
+    return html.escape(str(x), quote=False)
+
+
+def _attr(x: object) -> str:
+    """An attribute value, escaped quotes included."""
     return html.escape(str(x), quote=True)
 
 
 def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite number, numpy scalars included (reports built from pandas may hold them)."""
+    if x is None or isinstance(x, (bool, str)):
+        return False
+    try:
+        return math.isfinite(x)
+    except TypeError:
+        return False
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], num: Iterable[int] = (),
@@ -105,9 +118,9 @@ def _prefix_note(prefix: str) -> str:
 
 def _kinded(layers: Sequence[dict]) -> tuple[list[str], str]:
     """Bar labels: the names, and the kind where it is not a parameter gradient."""
-    labels, prefix = _labels([l.get("name", "") for l in layers])
-    return [lbl if l.get("kind") in (None, "param_grad") else f"{lbl} ({l['kind']})"
-            for lbl, l in zip(labels, layers)], prefix
+    labels, prefix = _labels([layer.get("name", "") for layer in layers])
+    return [lbl if layer.get("kind") in (None, "param_grad") else f"{lbl} ({layer['kind']})"
+            for lbl, layer in zip(labels, layers)], prefix
 
 
 def _mpl_text(s: str) -> str:
@@ -144,10 +157,13 @@ def _scale_figure(charts: dict) -> Figure | None:
 
 
 def _grid(rows: Any, n: int, m: int) -> Any:
+    """An n × m float array (None → NaN), or None when the rows do not have that shape."""
     import numpy as np
 
-    arr = np.array([[v if _finite(v) or (isinstance(v, float) and math.isinf(v)) else np.nan
-                     for v in row] for row in rows], dtype=float)
+    try:
+        arr = np.array(rows, dtype=float)
+    except (TypeError, ValueError):
+        return None
     return arr if arr.shape == (n, m) else None
 
 
@@ -238,24 +254,24 @@ def _bar_figure(labels: list[str], values: list[float], colors: list[str], xlabe
 
 
 def _underflow_figure(layers: Sequence[dict]) -> tuple[Figure | None, str, str]:
-    rows = sorted((l for l in layers if _finite(l.get("underflow_rate"))),
-                  key=lambda l: -l["underflow_rate"])[:BAR_ROWS]
+    rows = sorted((layer for layer in layers if _finite(layer.get("underflow_rate"))),
+                  key=lambda layer: -layer["underflow_rate"])[:BAR_ROWS]
     if not rows:
         return None, "", ""
-    if all(l["underflow_rate"] == 0 for l in rows):
+    if all(layer["underflow_rate"] == 0 for layer in rows):
         return None, "No recorded gradient underflowed: every layer's underflow rate is 0.", ""
     labels, prefix = _kinded(rows)
-    fig = _bar_figure(labels, [100 * l["underflow_rate"] for l in rows],
+    fig = _bar_figure(labels, [100 * layer["underflow_rate"] for layer in rows],
                       ["#ff7f0e"] * len(rows), "underflow rate (% of nonzero gradient elements)")
     return fig, "", _prefix_note(prefix)
 
 
 def _headroom_figure(layers: Sequence[dict]) -> tuple[Figure | None, str]:
-    rows = sorted((l for l in layers if _finite(l.get("headroom_log2"))),
-                  key=lambda l: l["headroom_log2"])[:BAR_ROWS]
+    rows = sorted((layer for layer in layers if _finite(layer.get("headroom_log2"))),
+                  key=lambda layer: layer["headroom_log2"])[:BAR_ROWS]
     if not rows:
         return None, ""
-    values = [l["headroom_log2"] for l in rows]
+    values = [layer["headroom_log2"] for layer in rows]
     labels, prefix = _kinded(rows)
     fig = _bar_figure(labels, values, ["#d62728" if v < 0 else "#1f77b4" for v in values],
                       "headroom (binades below the format's max; negative = overflow)", zero_line=True)
@@ -277,7 +293,7 @@ def _svg(fig: Figure, salt: str, label: str) -> str:
     svg = svg[svg.index("<svg"):]
     svg = re.sub(r'\bid="', f'id="{salt}-', svg)
     svg = re.sub(r'((?:xlink:)?href="#|url\(#)', rf"\g<1>{salt}-", svg)
-    return svg.replace("<svg ", f'<svg role="img" aria-label="{_e(label)}" ', 1)
+    return svg.replace("<svg ", f'<svg role="img" aria-label="{_attr(label)}" ', 1)
 
 
 def _figure(svg: str | None, title: str, caption: str) -> str:
@@ -360,11 +376,12 @@ def _scale_section(scale: dict | None, missing: dict, chart: str) -> str:
 
 
 def _layer_rows(layers: Sequence[dict]) -> list[list[str]]:
-    return [[str(i), f"<code>{_e(l.get('name', ''))}</code>", _e(l.get("kind", "")),
-             _e(percent(l.get("underflow_rate"))), _e(percent(l.get("zero_rate"))),
-             _e(percent(l.get("subnormal_rate"))), _e(binades(l.get("headroom_log2"))),
-             _e(number(l.get("amax"))), _e(number(l.get("amin"))), _e(l.get("observations", "—"))]
-            for i, l in enumerate(layers, 1)]
+    return [[str(i), f"<code>{_e(layer.get('name', ''))}</code>", _e(layer.get("kind", "")),
+             _e(percent(layer.get("underflow_rate"))), _e(percent(layer.get("zero_rate"))),
+             _e(percent(layer.get("subnormal_rate"))), _e(binades(layer.get("headroom_log2"))),
+             _e(number(layer.get("amax"))), _e(number(layer.get("amin"))),
+             _e(layer.get("observations", "—"))]
+            for i, layer in enumerate(layers, 1)]
 
 
 def _layers_section(layers: Sequence[dict], missing: dict, charts: dict[str, str]) -> str:
@@ -400,7 +417,7 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> s
         verdict = rec.get("verdict")
         target = rec.get("target_dtype")
         text = VERDICTS.get(verdict, verdict or "No verdict.")
-        parts.append(f'<p class="verdict {_e(verdict or "")}">{_e(text)}'
+        parts.append(f'<p class="verdict {_attr(verdict or "")}">{_e(text)}'
                      + (f" (target format {_e(target)})" if target else "") + "</p>")
         rows = [[_e(k), _e(setting(k, current.get(k))), _e(setting(k, rec.get(k)))] for k in SCALER_KEYS]
         parts.append(_table(["setting", "current", "recommended"], rows, num=(1, 2)))

@@ -22,11 +22,14 @@ _INLINE_SPECIAL = re.compile(r"([\\`*_\[\]<>|&~])")
 _LINE_START = re.compile(r"^([#+\-=]|\d+(?=[.)]))")
 
 
+def _inline(s: object) -> str:
+    """Text from the data, escaped to render literally inside a line (a table cell, after a label)."""
+    return _INLINE_SPECIAL.sub(r"\\\1", " ".join(str(s).split()))
+
+
 def _text(s: object) -> str:
-    """Prose from the data, escaped so that it renders literally (on one line)."""
-    flat = " ".join(str(s).split())
-    flat = _INLINE_SPECIAL.sub(r"\\\1", flat)
-    return _LINE_START.sub(_escape_line_start, flat)
+    """Text from the data that starts a block (a list item, a quote), escaped to render literally."""
+    return _LINE_START.sub(_escape_line_start, _inline(s))
 
 
 def _escape_line_start(m: re.Match) -> str:
@@ -64,7 +67,7 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Iter
     for row in rows:
         if len(row) != len(headers):
             raise ValueError(f"table row has {len(row)} cells, header has {len(headers)}")
-        cells = [_code(c) if i in code else _text(c) for i, c in enumerate(row)]
+        cells = [_code(c) if i in code else _inline(c) for i, c in enumerate(row)]
         lines.append("| " + " | ".join(c or " " for c in cells) + " |")
     return lines
 
@@ -75,7 +78,7 @@ def _bullets(items: Iterable[object]) -> list[str]:
 
 def _field(label: str, value: object) -> str:
     """A ``- **label**: value`` line; the value is escaped."""
-    return f"- **{label}**: {_text(value)}"
+    return f"- **{label}**: {_inline(value)}"
 
 
 def _missing_note(missing: dict, section: str) -> list[str]:
@@ -86,10 +89,11 @@ def _missing_note(missing: dict, section: str) -> list[str]:
 def _layer_table(layers: Sequence[dict]) -> list[str]:
     headers = ["#", "layer", "kind", "underflow", "zeros", "subnormal", "headroom (binades)",
                "amax", "amin", "observations"]
-    rows = [[i, l.get("name", ""), l.get("kind", ""), percent(l.get("underflow_rate")),
-             percent(l.get("zero_rate")), percent(l.get("subnormal_rate")), binades(l.get("headroom_log2")),
-             number(l.get("amax")), number(l.get("amin")), l.get("observations", "—")]
-            for i, l in enumerate(layers, 1)]
+    rows = [[i, layer.get("name", ""), layer.get("kind", ""), percent(layer.get("underflow_rate")),
+             percent(layer.get("zero_rate")), percent(layer.get("subnormal_rate")),
+             binades(layer.get("headroom_log2")),
+             number(layer.get("amax")), number(layer.get("amin")), layer.get("observations", "—")]
+            for i, layer in enumerate(layers, 1)]
     return _table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9), code=(1, 2))
 
 
@@ -155,8 +159,8 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> l
     lines = ["## Recommendation", ""]
     if rec:
         verdict, target = rec.get("verdict"), rec.get("target_dtype")
-        lines += [f"**{_text(VERDICTS.get(verdict, verdict or 'No verdict.'))}**"
-                  + (f" (target format {_text(target)})" if target else ""), ""]
+        lines += [f"**{_inline(VERDICTS.get(verdict, verdict or 'No verdict.'))}**"
+                  + (f" (target format {_inline(target)})" if target else ""), ""]
         rows = [[k, setting(k, current.get(k)), setting(k, rec.get(k))] for k in SCALER_KEYS]
         lines += _table(["setting", "current", "recommended"], rows, right=(1, 2), code=(0,)) + [""]
         cur, pred = rec.get("current") or {}, rec.get("predicted") or {}
@@ -187,7 +191,7 @@ def report_markdown(report: dict) -> str:
     lines += ["## Warnings", ""] + (_bullets(report.get("warnings") or []) or ["None."])
     other = {k: v for k, v in missing.items() if k not in SECTIONS}
     if other:
-        lines += ["", "## Not available", ""] + [_field(_text(k), v) for k, v in other.items()]
+        lines += ["", "## Not available", ""] + [_field(_inline(k), v) for k, v in other.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -223,8 +227,8 @@ def simulate_markdown(sim: dict) -> str:
     layers = sim.get("layers") or []
     if layers:
         lines += _table(["layer", "kind", "underflow"],
-                        [[l.get("name", ""), l.get("kind", ""), percent(l.get("underflow_rate"))]
-                         for l in layers], right=(2,), code=(0, 1))
+                        [[layer.get("name", ""), layer.get("kind", ""), percent(layer.get("underflow_rate"))]
+                         for layer in layers], right=(2,), code=(0, 1))
     else:
         lines.append("No per-layer statistics.")
     if sim.get("notes"):

@@ -67,10 +67,10 @@ def _wrap(text: str, indent: str = "  - ", width: int = WIDTH) -> list[str]:
 def layers_table(layers: list[dict], top: int | None = None) -> list[str]:
     """The per-layer table (fits 100 columns; long names are clipped from the left)."""
     rows = layers if top is None else layers[:top]
-    head = f"{'layer':<44} {'kind':<11} {'underflow':>9} {'zero':>8} {'subnorm':>8} {'headroom':>8} {'amax':>8}"
+    head = f"{'layer':<40} {'kind':<11} {'underflow':>9} {'zero':>8} {'subnorm':>8} {'headroom':>8} {'amax':>8}"
     lines = [head]
     for r in rows:
-        lines.append(f"{_clip(r['name'], 44):<44} {r['kind']:<11} {percent(r['underflow_rate']):>9} "
+        lines.append(f"{_clip(r['name'], 40):<40} {r['kind']:<11} {percent(r['underflow_rate']):>9} "
                      f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
     if top is not None and len(layers) > top:
@@ -82,11 +82,13 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
     """``ampdoctor report`` for the terminal."""
     run, scale, rec, missing = report["run"], report["scale"], report["recommendation"], report["missing"]
     sc = run["scaler"]
-    out = [_heading(f"ampdoctor report  {run['path']}", color),
-           f"{run['steps']} steps, {run['ranks']} rank(s), {run['amp_dtype']} on {run['device']}, level "
-           f"{run['level']}; {sc['class']}(init_scale={scale_str(sc['init_scale'])}, growth_factor="
-           f"{setting('growth_factor', sc['growth_factor'])}, backoff_factor={setting('backoff_factor', sc['backoff_factor'])}, "
-           f"growth_interval={setting('growth_interval', sc['growth_interval'])})", ""]
+    out = [_heading(f"ampdoctor report  {_clip(str(run['path']), WIDTH - 18)}", color)]
+    out += _wrap(f"{run['steps']} steps, {run['ranks']} rank(s), {run['amp_dtype']} on {run['device']}, level "
+                 f"{run['level']}; {sc['class']}(init_scale={scale_str(sc['init_scale'])}, growth_factor="
+                 f"{setting('growth_factor', sc['growth_factor'])}, backoff_factor="
+                 f"{setting('backoff_factor', sc['backoff_factor'])}, growth_interval="
+                 f"{setting('growth_interval', sc['growth_interval'])})", "")
+    out.append("")
     out.append(_heading("Loss scale", color))
     if scale is None:
         out.append(f"  {missing.get('scale', 'not enough data')}")
@@ -114,7 +116,7 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
         out += _wrap(missing.get("recommendation", "not enough data"), "  ")
     else:
         out.append("  " + VERDICTS[rec["verdict"]])
-        out.append("  " + _style(rec["code"], color, fg="cyan", bold=True))
+        out.append("  " + _style(rec["code"], color, fg="cyan", bold=True))  # one line: pasteable
         cur, pred = rec["current"], rec["predicted"]
         out.append(f"  predicted: {pred['skipped_steps']} skipped step(s) instead of {cur['skipped_steps']}, "
                    f"underflow {percent(pred['underflow_rate'])} instead of {percent(cur['underflow_rate'])}")

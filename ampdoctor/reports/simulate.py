@@ -34,15 +34,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from ..formats import FLOAT16, FloatFormat
-from ..run import Run
+from .formatting import scale_str
 from .underflow import UnderflowModel, lost_at_cutoff
 
 GRID = np.arange(-40, 81, dtype=np.float64)  # log2 scales at which per-step underflow is tabulated
 
-_STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
-                 "n_nan", "n_inf", "hist"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class ScalerConfig:
     def settings(self, current: "ScalerConfig | None" = None) -> str:
         """``init_scale=2**12, growth_interval=500``: init_scale, and the settings that differ from
         torch's defaults or from ``current``."""
-        args = [f"init_scale={scale_literal(self.init_scale)}"]
+        args = [f"init_scale={scale_str(self.init_scale)}"]
         default = ScalerConfig()
         for name in ("growth_factor", "backoff_factor", "growth_interval"):
             value = getattr(self, name)
@@ -88,15 +87,6 @@ class ScalerConfig:
     def code(self, device: str = "cuda", current: "ScalerConfig | None" = None) -> str:
         """A ready-to-paste ``torch.amp.GradScaler(...)`` line."""
         return f'torch.amp.GradScaler("{device}", {self.settings(current)})'
-
-
-def scale_literal(x: float) -> str:
-    """``4096.0`` → ``2**12``; anything else as written."""
-    if x > 0:
-        k = math.log2(x)
-        if k.is_integer():
-            return f"2**{int(k)}"
-    return f"{x:g}"
 
 
 @dataclass
@@ -135,9 +125,8 @@ class StepSeries:
         return lost_at_cutoff(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2, self.min_exp)
 
 
-def load_steps(run: Run, fmt: FloatFormat, min_exp: int, bins: int) -> StepSeries:
-    """Read the step rows (only their columns) and merge ranks."""
-    table = run.table(_STEP_COLUMNS, kinds=["step"])
+def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> StepSeries:
+    """Merge the step rows (``layers.STEP_COLUMNS``) of every rank into one series."""
     frame = table.drop_columns(["hist", "loss"]).to_pandas()
     loss = table.column("loss").to_numpy(zero_copy_only=False).astype(np.float64)  # null → NaN
     recorded = table.column("loss").is_valid().to_numpy(zero_copy_only=False)

@@ -55,10 +55,8 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     amp = _format(meta.get("amp.dtype"))
     min_exp = int(meta.get("hist.min_exp", HIST_MIN_EXP))
     bins = int(meta.get("hist.bins", HIST_BINS))
-    series = load_steps(run, amp, min_exp, bins)
-    first = int(series.steps[0]) if len(series) else 0
-    last = int(series.steps[-1]) if len(series) else 0
-    scan = scan_layers(run, amp, first_step=first, last_step=last, min_exp=min_exp, bins=bins)
+    scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)
+    series = load_steps(scan.step_rows, amp, min_exp, bins)
     attach_param_lost(series, scan.param_lost)
     # fp16 is the format a scaler is for: a bf16/fp32 run is asked whether fp16 would work.
     target = amp if amp.name == "float16" else FLOAT16

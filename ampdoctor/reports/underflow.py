@@ -36,7 +36,7 @@ DENSITY_BINADES = (2, 3, 4, 5)  # binades above the cut-off the density is read 
 
 def density_near_zero(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> np.ndarray:
     """Elements per unit magnitude just above the cut-off 2^cut_log2, for each histogram row."""
-    hist = np.asarray(hist, dtype=np.float64)
+    hist = np.asarray(hist)
     n, bins = hist.shape
     first = np.ceil(np.asarray(cut_log2, dtype=np.float64))
     counts = np.zeros(n)
