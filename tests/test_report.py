@@ -351,3 +351,65 @@ def test_report_reads_only_the_columns_it_needs(scenarios, monkeypatch):
     assert build_report(scenarios["underflow"][0])["layers"]
     assert analyse(scenarios["underflow"][0]).level == "params"
     assert len(analyse(scenarios["underflow"][0]).series) == STEPS
+
+
+# -- advice for what no setting fixes ------------------------------------------------------------
+
+def test_window_too_narrow_for_fp16_advises_bfloat16(tmp_path):
+    """Gradients 4000 and 1e-12 x smaller in the same model: any scale that saves the small ones
+    overflows the large ones."""
+    path = tmp_path / "narrow.parquet"
+    train_recorded(path, steps=40, loss_factor=1e4, lr=0.0, init_scale=1.0, growth_interval=5,
+                   model_factory=lambda: __import__("models").QuietMLP(quiet=1e-12))
+    rec = build_report(path)["recommendation"]
+    assert rec["verdict"] == "no_scale_works"
+    assert any("bfloat16" in a and "too narrow" in a for a in rec["advice"])
+
+
+def test_collapsing_scale_advises_lower_lr_or_clipping(tmp_path):
+    path = tmp_path / "diverged.parquet"
+    train_recorded(path, steps=60, loss_factor=100.0, init_scale=2.0**10, growth_interval=10)
+    report = build_report(path)
+    advice = " ".join(report["recommendation"]["advice"])
+    assert "learning rate" in advice and "clip_grad_norm_" in advice
+    assert "ampdoctor postmortem" in advice  # the non-finite losses
+
+
+def test_multi_rank_run_reads_as_one(tmp_path):
+    """The benchmark's synthetic writer: 4 ranks, merged per step."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from report_speed import write_synthetic_run
+
+    steps = write_synthetic_run(tmp_path / "ranks.parquet", 40_000, 4)
+    report = build_report(tmp_path / "ranks.parquet")
+    assert report["run"]["ranks"] == 4 and report["run"]["steps"] == steps == 100
+    assert len(report["layers"]) == 99
+    check_contract(json.loads(render.to_json(report)), REPORT_CONTRACT)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("newer", "schema version 99"),
+    ("empty", "empty run"),
+    ("truncated", "no readable segments"),
+])
+def test_unreadable_runs_are_one_line_errors(tmp_path, damage, message):
+    import pyarrow.parquet as pq
+    path = tmp_path / "run.parquet"
+    if damage == "empty":
+        ampdoctor.GradScaler("cpu", path=path).close()
+    else:
+        train_recorded(path, steps=2)
+        for seg in path.glob("*.parquet"):
+            if damage == "newer":
+                table = pq.read_table(seg)
+                meta = dict(table.schema.metadata)
+                meta[b"ampdoctor.schema_version"] = b"99"
+                pq.write_table(table.replace_schema_metadata(meta), seg)
+            else:
+                seg.write_bytes(seg.read_bytes()[:100])
+    for command in ("report", "simulate", "layers"):
+        result = CliRunner().invoke(main, [command, str(path)])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and len(result.output.strip().splitlines()) == 1

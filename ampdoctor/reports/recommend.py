@@ -104,6 +104,10 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     }
 
 
+def _underflow(rate: float) -> str:
+    return "no underflow" if rate == 0 else f"{percent(rate)} underflow"
+
+
 def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome, settle_step) -> list[str]:
     series = prepared.series
     cfg = pick.config
@@ -129,11 +133,11 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
                f"2**{prepared.threshold.log2:.1f} (from {prepared.threshold.source})")
     if current is not None and pick.config == current:
         out.append(f"the current settings are the best found: {pick.skipped_steps} skipped step(s), "
-                   f"{percent(pick.underflow_rate)} underflow")
+                   f"{_underflow(pick.underflow_rate)}")
     else:
         out.append(f"with {cfg.settings(current)} the replay predicts "
                    f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and "
-                   f"{percent(pick.underflow_rate)} underflow instead of {percent(actual['underflow_rate'])}"
+                   f"{_underflow(pick.underflow_rate)} instead of {_underflow(actual['underflow_rate'])}"
                    + (f" ({pick.uncertain_steps} more step(s) uncertain)" if pick.uncertain_steps else ""))
     return out
 

@@ -262,7 +262,7 @@ def _underflow_figure(layers: Sequence[dict]) -> tuple[Figure | None, str, str]:
         return None, "No recorded gradient underflowed: every layer's underflow rate is 0.", ""
     labels, prefix = _kinded(rows)
     fig = _bar_figure(labels, [100 * layer["underflow_rate"] for layer in rows],
-                      ["#ff7f0e"] * len(rows), "underflow rate (% of nonzero gradient elements)")
+                      ["#ff7f0e"] * len(rows), "underflow rate (% of elements observed)")
     return fig, "", _prefix_note(prefix)
 
 

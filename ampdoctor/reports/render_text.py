@@ -118,8 +118,8 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
         out.append("  " + VERDICTS[rec["verdict"]])
         out.append("  " + _style(rec["code"], color, fg="cyan", bold=True))  # one line: pasteable
         cur, pred = rec["current"], rec["predicted"]
-        out.append(f"  predicted: {pred['skipped_steps']} skipped step(s) instead of {cur['skipped_steps']}, "
-                   f"underflow {percent(pred['underflow_rate'])} instead of {percent(cur['underflow_rate'])}")
+        out.append(f"  predicted: {pred['skipped_steps']} skipped step(s) instead of {cur['skipped_steps']}; "
+                   f"underflow rate {percent(pred['underflow_rate'])} instead of {percent(cur['underflow_rate'])}")
         for reason in rec["reasons"]:
             out += _wrap(reason)
         if rec["advice"]:
