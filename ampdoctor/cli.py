@@ -18,7 +18,8 @@ class CliError(click.ClickException):
 
 
 def library_errors(fn):
-    """Turn an :class:`AmpdoctorError` into a one-line CLI error (exit 2)."""
+    """Turn an :class:`AmpdoctorError` into a one-line CLI error (exit 2); any other exception
+    (a bug of ours) too, named as an internal error."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -26,6 +27,11 @@ def library_errors(fn):
             return fn(*args, **kwargs)
         except AmpdoctorError as exc:
             raise CliError(str(exc)) from None
+        except click.ClickException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug of ours still gets one line, not a traceback
+            raise CliError(f"internal error: {type(exc).__name__}: {exc} (a bug in ampdoctor; "
+                           f"please report it)") from None
 
     return run
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from . import __version__
 from .errors import RunError
-from .schema import META_FINAL, META_SCHEMA_VERSION, META_WRITER, SCHEMA_VERSION, run_schema
+from .schema import META_FINAL, META_SCHEMA_VERSION, META_SEGMENT, META_WRITER, SCHEMA_VERSION, run_schema
 
 _MAGIC = b"PAR1"
 _TYPES = {f.name: f.type for f in run_schema()}
@@ -46,8 +46,9 @@ class Run:
 
     @property
     def metadata(self) -> dict[str, str]:
-        """The metadata of the first segment (keys common to the run: run.id, scaler.*, ...)."""
-        return self.segments[0].metadata
+        """The metadata of the run's first segment: the earliest-started writer's segment 0 (keys
+        common to the run: run.id, scaler.*, ...)."""
+        return min(self.segments, key=_segment_order).metadata
 
     @property
     def rows(self) -> int:
@@ -115,6 +116,8 @@ class Run:
                 meta = pq.read_metadata(segment.path)
                 index = meta.schema.to_arrow_schema().get_field_index("step")
                 for g in range(meta.num_row_groups):
+                    if meta.row_group(g).num_rows == 0:
+                        continue  # the empty final segment close() writes after an anomaly flush
                     stats = meta.row_group(g).column(index).statistics
                     if stats is None or not stats.has_min_max:
                         return None
@@ -191,6 +194,15 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     return read_run(path).frame
 
 
+def _segment_order(segment: Segment) -> tuple[str, int, str]:
+    meta = segment.metadata
+    try:
+        number = int(meta.get(META_SEGMENT, "0"))
+    except ValueError:
+        number = 0
+    return meta.get("run.started", ""), number, segment.path.name
+
+
 def kind_mask(column: pa.Array, kinds: Sequence[str]) -> pa.Array:
     """Which rows of a (dictionary-encoded) ``kind`` column are one of ``kinds``: compares the
     few dictionary entries, not every row's string."""
@@ -214,9 +226,18 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
 def _with_columns(data, columns: Sequence[str]):
     """``data`` with exactly ``columns``, in that order; a column an older segment lacks is null."""
     n = data.num_rows
-    arrays = [data.column(c) if c in data.column_names else pa.nulls(n, _TYPES[c]) for c in columns]
+    arrays = [_as_type(data.column(c), _TYPES[c]) if c in data.column_names else pa.nulls(n, _TYPES[c])
+              for c in columns]
     cls = pa.RecordBatch if isinstance(data, pa.RecordBatch) else pa.Table
     return cls.from_arrays(arrays, names=list(columns))
+
+
+def _as_type(column, expected: pa.DataType):
+    """A plain string column where the schema has a dictionary one (a segment written by another
+    writer): dictionary-encode it, so that segments concatenate."""
+    if pa.types.is_dictionary(expected) and not pa.types.is_dictionary(column.type):
+        return pc.dictionary_encode(column)
+    return column
 
 
 def _empty_table(columns: Sequence[str] | None) -> pa.Table:

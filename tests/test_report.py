@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from click.testing import CliRunner
@@ -320,13 +321,22 @@ def test_replay_follows_torch_update_rule():
     del scaler
 
 
-def test_hysteresis_delays_backoff():
-    series = _series(np.full(20, 1.0))
-    prepared = prepare(series)
-    prepared.critical_log2 = np.full(20, 10.0)  # every step at a scale above 2^10 overflows
-    plain, delayed = replay(prepared, [ScalerConfig(init_scale=2.0**12, growth_interval=1000),
-                                       ScalerConfig(init_scale=2.0**12, growth_interval=1000, hysteresis=2)])
-    assert plain.skipped_steps == 2 and delayed.skipped_steps == 4
+def test_hysteresis_follows_megatron():
+    """Megatron's DynamicGradScaler: on overflow the hysteresis counter drops and the scale backs
+    off once it is <= 0 (and on every further overflow); the counter resets only on growth."""
+    n = 10
+    prepared = prepare(_series(np.full(n, 1.0)))
+    prepared.critical_log2 = np.full(n, -1000.0)  # every step overflows
+    out = replay(prepared, [ScalerConfig(init_scale=2.0**16, growth_interval=1000, hysteresis=2)],
+                 keep_trajectory=True)[0]
+    scale, tracker, expected = 2.0**16, 2, []
+    for _ in range(n):  # Megatron's update(found_inf=True)
+        expected.append(math.log2(scale))
+        tracker -= 1
+        if tracker <= 0:
+            scale *= 0.5
+    assert out.trajectory.tolist() == expected
+    assert expected[:4] == [16, 16, 15, 14]
 
 
 def _series(amax):
@@ -334,7 +344,7 @@ def _series(amax):
     from ampdoctor.reports.simulate import StepSeries
     n = len(amax)
     zeros = np.zeros(n)
-    return StepSeries(steps=np.arange(n), scale=np.ones(n), skipped=np.zeros(n, bool), forced=np.zeros(n, bool),
+    return StepSeries(steps=np.arange(n), scale=np.ones(n), recorded_scale=np.ones(n), skipped=np.zeros(n, bool), forced=np.zeros(n, bool),
                       nonfinite=np.zeros(n, bool), amax=np.asarray(amax, float), l2=np.ones(n), loss=np.ones(n),
                       loss_recorded=np.ones(n, bool), numel=np.full(n, 100.0), n_zero=zeros, n_subnormal=zeros,
                       hist=np.zeros((n, 64)), ranks=1, fmt=FLOAT16, min_exp=-56)
@@ -413,3 +423,102 @@ def test_unreadable_runs_are_one_line_errors(tmp_path, damage, message):
         result = CliRunner().invoke(main, [command, str(path)])
         assert result.exit_code == 2, result.output
         assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+# -- odd but legal runs (review findings) --------------------------------------------------------
+
+def test_every_step_skipped_replays_as_skipped(tmp_path):
+    path = tmp_path / "all.parquet"
+    skipped = train_recorded(path, steps=20, loss_factor=1e20)
+    assert skipped == 20
+    sim = simulate_run(path)
+    assert sim["skipped_steps"] == 20 == sim["actual"]["skipped_steps"]
+    assert build_report(path)["recommendation"]["verdict"] != "keep"
+
+
+def test_nan_losses_alone_do_not_mean_no_scale_works(tmp_path):
+    from models import QuietMLP
+
+    class NaNEvery10(QuietMLP):
+        calls = 0
+
+        def forward(self, x):
+            type(self).calls += 1
+            out = super().forward(x)
+            return out * float("nan") if type(self).calls % 10 == 0 else out
+
+    path = tmp_path / "nan.parquet"
+    train_recorded(path, steps=40, init_scale=2.0**12, model_factory=NaNEvery10)
+    rec = build_report(path)["recommendation"]
+    assert rec["verdict"] != "no_scale_works"
+    assert any("non-finite loss" in a for a in rec["advice"])
+
+
+def test_scale_collapsed_to_zero_keeps_rates_finite(tmp_path):
+    path = tmp_path / "zero.parquet"
+    train_recorded(path, steps=160, loss_factor=1e20, init_scale=1.0)  # 150 backoffs: the scale reaches 0
+    report = build_report(path)
+    assert report["scale"]["min"] == 0.0
+    assert all(layer["underflow_rate"] is not None and math.isfinite(layer["underflow_rate"])
+               for layer in report["layers"])
+    check_contract(json.loads(render.to_json(report)), REPORT_CONTRACT)
+
+
+def test_run_ending_on_a_skipped_step_keeps_its_step_range(tmp_path):
+    """The anomaly flush leaves an empty final segment; the heatmap still spans every step."""
+    path = tmp_path / "end.parquet"
+    train_recorded(path, steps=30, init_scale=2.0**24, level="full")
+    a = analyse(path)
+    assert a.run.step_range() == (0, 29)
+    heat = build_report(path)["charts"]["heatmap"]
+    assert heat["steps"][0] == 0 and len(heat["steps"]) == 30
+    assert all(v is None or math.isfinite(v) for row in heat["high"] for v in row)
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300"])
+def test_scales_torch_cannot_hold_are_rejected(scenarios, value):
+    result = CliRunner().invoke(main, ["simulate", str(scenarios["underflow"][0]), "--init-scale", value])
+    assert result.exit_code == 2 and "float32" in result.output
+
+
+def test_segments_missing_new_columns_still_report(scenarios, tmp_path):
+    """Schema-1 segments written before the call/parent/inputs and hist columns were filled."""
+    import pyarrow.parquet as pq
+    src = scenarios["periodic_overflow"][0]
+    dst = tmp_path / "old.parquet"
+    dst.mkdir()
+    for i, seg in enumerate(sorted(src.glob("*.parquet"))):
+        table = pq.read_table(seg)
+        drop = ["call", "parent", "inputs"] + (["hist"] if i % 2 else [])
+        table = table.drop_columns(drop)
+        if i == 0:  # and one segment with plain strings instead of dictionaries
+            table = table.cast(pa.schema([pa.field(f.name, pa.string()) if pa.types.is_dictionary(f.type) else f
+                                          for f in table.schema], metadata=table.schema.metadata))
+        pq.write_table(table, dst / seg.name)
+    for command in ("report", "simulate", "layers"):
+        result = CliRunner().invoke(main, [command, str(dst)])
+        assert result.exit_code == 0, result.output
+    assert build_report(dst)["overflow_origins"]
+
+
+def test_large_fp32_activations_are_not_flagged_as_fp16_overflow(tmp_path):
+    from models import QuietMLP
+
+    class Loud(torch.nn.Module):
+        def forward(self, x):
+            return x.float() * 1e6  # fp32 under autocast: safe, however large
+
+    class WithLoud(QuietMLP):
+        def __init__(self):
+            super().__init__()
+            self.loud = Loud()
+
+        def forward(self, x):
+            return super().forward(x) + self.loud(x).mean() * 0
+
+    path = tmp_path / "loud.parquet"
+    train_recorded(path, steps=10, init_scale=2.0**10, level="full", model_factory=WithLoud)
+    report = build_report(path)
+    loud = [layer for layer in report["layers"] if layer["name"] == "loud" and layer["kind"] == "output"]
+    assert loud and loud[0]["amax"] > 65504 and loud[0]["headroom_log2"] > 100  # judged in fp32
+    assert not any("`loud`" in a for a in report["recommendation"]["advice"])

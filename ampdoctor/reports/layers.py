@@ -61,7 +61,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     """Aggregate every full module and parameter row of ``run``, batch by batch with numpy
     reductions keyed by layer (memory: one batch plus O(layers x heatmap columns)). The step rows
     met on the way are kept (``LayerScan.step_rows``), so the run is read once."""
-    first_step, last_step = run.step_range() or (0, 0)
+    first_step, last_step = run.step_range() or _step_range_from_data(run)
     span = max(1, last_step - first_step + 1)
     width = max(1, math.ceil(span / HEATMAP_BUCKETS))
     columns = math.ceil(span / width)
@@ -154,13 +154,17 @@ class _Accumulator:
         scale = np.where(scale > 0, scale, np.nan)  # a collapsed scale of 0 judges nothing
         amax = col["amax"].astype(np.float64)
         nonfinite = (col["n_nan"] + col["n_inf"]) > 0
+        usable = ~nonfinite & np.isfinite(amax)
         with np.errstate(divide="ignore", invalid="ignore"):
             cut = np.log2(below / scale)
             lost = lost_at_cutoff(hist, col["n_zero"], col["n_subnormal"], cut, min_exp)
-            headroom = np.where(~nonfinite & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
-            high = np.where(amax > 0, np.log2(np.where(amax > 0, amax, 1.0) * scale), -np.inf)
+            headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
+            high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
+                            -np.inf)
+            # A gradient that overflowed is drawn one binade above the format's max.
+            high = np.where(nonfinite, np.log2(fmax) + 1.0, high)
             low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
-        finite_amax = np.where(nonfinite, -np.inf, amax)
+        finite_amax = np.where(usable, amax, -np.inf)
         n = len(self.ids)
         for i, values in enumerate((col["numel"], col["n_zero"], col["n_subnormal"], lost,
                                     np.ones(len(layer)), nonfinite)):
@@ -179,8 +183,8 @@ class _Accumulator:
         g = (kind == "grad_output") & inside
         np.maximum.at(self.module_peak, offset[g], finite_amax[g])
         column = np.clip(offset // width, 0, self.columns - 1)
-        np.maximum.at(self.high, (layer[p], column[p]), np.nan_to_num(high[p], nan=-np.inf))
-        np.minimum.at(self.low, (layer[p], column[p]), np.nan_to_num(low[p], nan=np.inf))
+        np.maximum.at(self.high, (layer[p], column[p]), np.where(np.isnan(high[p]), -np.inf, high[p]))
+        np.minimum.at(self.low, (layer[p], column[p]), np.where(np.isnan(low[p]), np.inf, low[p]))
 
     def result(self, first_step: int, width: int) -> LayerScan:
         n = len(self.ids)
@@ -209,6 +213,15 @@ class _Accumulator:
                 for i, (name, kind) in enumerate(keys) if kind == "param_grad"}
         return LayerScan(layers, param_lost, module_peak, activation_peak,
                          first_step + width * np.arange(self.columns), heat)
+
+
+def _step_range_from_data(run: Run) -> tuple[int, int]:
+    """The step range read from the ``step`` column (footers without statistics)."""
+    steps = run.table(["step"]).column("step")
+    if not len(steps):
+        return 0, 0
+    lo_hi = pc.min_max(steps)
+    return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
 
 
 def _inf_to_nan(values: np.ndarray) -> np.ndarray:

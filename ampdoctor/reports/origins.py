@@ -112,8 +112,8 @@ def _forward_origin(step, rank, modules, calls) -> Origin | None:
     if outputs.empty:
         return None
     r = outputs.iloc[0]
-    call = int(r["call"])
-    return Origin(r["name"], "output", rank, step, call, calls.occurrence(call), int(r["order"]), r["name"])
+    call = _int(r["call"])  # null in runs written before the call columns existed
+    return Origin(r["name"], "output", rank, step, call, calls.occurrence(call), _int(r["order"]), r["name"])
 
 
 def _overflow_origin(step, rank, rows, modules, calls) -> Origin | None:
@@ -122,8 +122,12 @@ def _overflow_origin(step, rank, rows, modules, calls) -> Origin | None:
     bad_grads = grads[grads["_bad"]]
     if len(bad_grads):
         r = bad_grads.iloc[0]
-        producer = calls.producer_of(int(r["call"]), r["order"], grads)
-        name = calls.name(producer) if producer is not None else OUTSIDE
+        call = _int(r["call"])
+        if call is None:  # no call structure recorded: name the module whose output gradient it is
+            producer, name = None, r["name"]
+        else:
+            producer = calls.producer_of(call, r["order"], grads)
+            name = calls.name(producer) if producer is not None else OUTSIDE
         candidates.append((r["order"] - 0.5, Origin(
             name, "grad_output", rank, step, producer,
             calls.occurrence(producer) if producer is not None else None, int(r["order"]), r["name"])))
@@ -226,6 +230,10 @@ class _CallTable:
             # so whoever consumed the parent's output produced the gradient.
             current = parent
         return None
+
+
+def _int(value) -> int | None:
+    return None if value is None or pd.isna(value) else int(value)
 
 
 def _float(value) -> float | None:

@@ -82,7 +82,9 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
                                       c.cost))
     pick = chosen.outcome
     cfg = pick.config
-    skipped_fraction = pick.skipped_steps / n if n else 0.0
+    # Steps with a non-finite loss are skipped at any scale: no setting is judged by them.
+    avoidable = pick.skipped_steps - int(series.forced.sum())
+    skipped_fraction = avoidable / n if n else 0.0
     if skipped_fraction > BAD_SKIPPED or pick.underflow_rate > BAD_UNDERFLOW:
         verdict = "no_scale_works"
     elif current is not None and chosen.changed == 0:
@@ -167,12 +169,13 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
                    f"underflow is too narrow. Train in bfloat16 (`torch.autocast(..., dtype=torch.bfloat16)`, no "
                    f"GradScaler needed)" + (f", or keep {named} in float32 with `autocast(enabled=False)`"
                                              if named else ""))
-    collapsed = current is not None and len(series) and series.scale.min() < 1.0
-    late = series.skipped[-max(1, len(series) // 4):].mean() if len(series) else 0.0
+    collapsed = current is not None and len(series) and series.recorded_scale.min() < 1.0
+    tail = slice(-max(1, len(series) // 4), None)
+    late = (series.skipped[tail] & ~series.forced[tail]).mean() if len(series) else 0.0
     if collapsed or late > 0.2:
         finite = series.l2[(~series.skipped) & np.isfinite(series.l2)]
         clip = f"{np.percentile(finite, 95):.3g}" if len(finite) else "1.0"
-        out.append(f"the scale collapsed (min {scale_str(float(series.scale.min()))}, {percent(late)} of the last "
+        out.append(f"the scale collapsed (min {scale_str(float(series.recorded_scale.min()))}, {percent(late)} of the last "
                    f"quarter's steps skipped): gradients grew until they overflow at any scale, which is an "
                    f"optimisation problem: lower the learning rate, or clip after unscaling with "
                    f"`scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})` "

@@ -40,6 +40,7 @@ from ..formats import FLOAT16, FloatFormat
 from .formatting import scale_str
 from .underflow import UnderflowModel, lost_at_cutoff
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 GRID = np.arange(-40, 81, dtype=np.float64)  # log2 scales at which per-step underflow is tabulated
 
 
@@ -57,6 +58,11 @@ class ScalerConfig:
     max_scale: float = math.inf
 
     def __post_init__(self) -> None:
+        # torch keeps the scale in float32 and never grows it to a non-finite value.
+        for name in ("init_scale", "growth_factor", "min_scale"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value > FLOAT32_MAX:
+                raise ValueError(f"{name} must be finite and at most float32's max, got {value}")
         if not self.init_scale > 0:
             raise ValueError(f"init_scale must be > 0, got {self.init_scale}")
         if not self.growth_factor > 1.0:
@@ -94,7 +100,8 @@ class StepSeries:
     """The run's step rows merged over ranks (what every rank's scaler saw together), by step."""
 
     steps: np.ndarray        # int64
-    scale: np.ndarray        # float64, the scale each step's backward used
+    scale: np.ndarray        # float64, the scale each step's backward used (0 taken as 2^-149)
+    recorded_scale: np.ndarray  # float64, as recorded
     skipped: np.ndarray      # bool, on any rank
     forced: np.ndarray       # bool, a non-finite loss: skipped at any scale
     nonfinite: np.ndarray    # bool, a gradient held a NaN or inf (on any rank)
@@ -151,11 +158,13 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     merged_hist = np.zeros((len(agg), bins))
     np.add.at(merged_hist, codes, hist[frame["_row"].to_numpy()])
     f64 = lambda c: agg[c].to_numpy(dtype=np.float64)  # noqa: E731
-    # A scale that collapsed to 0 (150 backoffs in a row) is taken as float32's smallest positive.
+    # A scale that collapsed to 0 (150 backoffs in a row) is computed with as float32's smallest
+    # positive; ``recorded_scale`` keeps the 0 for display.
     scale = np.maximum(f64("scale"), 2.0**-149)
+    amax = f64("amax")
     return StepSeries(
-        steps=agg.index.to_numpy(dtype=np.int64), scale=scale, skipped=agg["skipped"].to_numpy(bool),
-        forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.nan_to_num(f64("amax"), nan=0.0), l2=f64("l2"),
+        steps=agg.index.to_numpy(dtype=np.int64), scale=scale, recorded_scale=f64("scale"), skipped=agg["skipped"].to_numpy(bool),
+        forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=f64("l2"),
         loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=f64("numel"),
         n_zero=np.nan_to_num(f64("n_zero")), n_subnormal=np.nan_to_num(f64("n_subnormal")), hist=merged_hist,
         ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp)
@@ -199,10 +208,10 @@ def prepare(series: StepSeries, target: FloatFormat = FLOAT16, *, module_ratio: 
     notes: list[str] = []
     same_format = series.fmt.name == target.name and series.fmt.max == target.max
     scaled = series.amax * series.scale
-    good = ~series.skipped & (series.amax > 0)
-    overflowed = series.skipped & ~series.forced
-    estimate = _neighbour_estimate(series.amax, ~series.skipped)
-    estimate = np.maximum(estimate, series.amax)
+    # A step with an inf/NaN gradient overflowed even when nothing was skipped (a disabled scaler).
+    overflowed = (series.skipped | series.nonfinite) & ~series.forced
+    good = ~overflowed & ~series.forced & (series.amax > 0)
+    estimate = np.fmax(_neighbour_estimate(series.amax, good), series.amax)
     ratio = max(1.0, module_ratio or 1.0)
     default = math.log2(target.max / ratio)
     if same_format and good.any():
@@ -230,6 +239,8 @@ def prepare(series: StepSeries, target: FloatFormat = FLOAT16, *, module_ratio: 
     critical = threshold.log2 - magnitude_log2  # log2 S above which the step overflows
     recorded_log2 = np.log2(series.scale)
     unexplained = overflowed & (critical >= recorded_log2) if same_format else np.zeros(len(series), bool)
+    # No finite magnitude to go by at all (every step overflowed): only the lower bound is known.
+    unexplained |= overflowed & ~(estimate > 0)
     # A skipped step that T does not explain overflows at its recorded scale and above (lower bound).
     critical = np.where(unexplained, recorded_log2 - 1e-9, critical)
     critical = np.where(series.forced, -np.inf, critical)
@@ -296,8 +307,9 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
     interval = np.array([cfg.growth_interval for cfg in configs])
     hysteresis = np.array([cfg.hysteresis for cfg in configs])
     with np.errstate(divide="ignore"):
-        lo = np.log2([cfg.min_scale for cfg in configs])
-        hi = np.log2([cfg.max_scale for cfg in configs])
+        # float32 bounds: torch's scale cannot go below its smallest subnormal or above its max.
+        lo = np.maximum(np.log2([cfg.min_scale for cfg in configs]), -149.0)
+        hi = np.minimum(np.log2([cfg.max_scale for cfg in configs]), math.log2(FLOAT32_MAX))
     tracker = np.zeros(c, dtype=np.int64)
     hyst = hysteresis.copy()
     skipped = np.zeros(c, dtype=np.int64)
@@ -344,7 +356,7 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
         grow = ~over & (tracker >= interval)
         log2s = np.where(grow, np.minimum(log2s + up, hi), log2s)
         tracker = np.where(grow, 0, tracker)
-        hyst = np.where(grow | back, hysteresis, hyst)
+        hyst = np.where(grow, hysteresis, hyst)  # reset on growth only (Megatron, DeepSpeed)
         if k == n - 1:
             final = log2s
     rate = np.divide(lost, kept, out=np.zeros(c), where=kept > 0)
@@ -383,8 +395,8 @@ def actual_outcome(series: StepSeries, config: ScalerConfig | None) -> dict:
             "skipped_steps": int(series.skipped.sum()),
             "skipped_fraction": float(series.skipped.mean()) if n else 0.0,
             "underflow_rate": float(lost[applied].sum() / kept) if kept else 0.0,
-            "scale": {"final": float(series.scale[-1]), "min": float(series.scale.min()),
-                      "max": float(series.scale.max())} if n else None}
+            "scale": {"final": float(series.recorded_scale[-1]), "min": float(series.recorded_scale.min()),
+                      "max": float(series.recorded_scale.max())} if n else None}
 
 
 def with_defaults(base: ScalerConfig | None, **overrides) -> ScalerConfig:

@@ -91,8 +91,9 @@ def scale_history(series: StepSeries) -> dict | None:
         return None
     skipped = series.skipped
     settle = int(np.argmax(~skipped)) if (~skipped).any() else None
-    return {"initial": float(series.scale[0]), "final": float(series.scale[-1]), "min": float(series.scale.min()),
-            "max": float(series.scale.max()), "skipped_steps": int(skipped.sum()),
+    scale = series.recorded_scale
+    return {"initial": float(scale[0]), "final": float(scale[-1]), "min": float(scale.min()),
+            "max": float(scale.max()), "skipped_steps": int(skipped.sum()),
             "skipped_fraction": float(skipped.mean()),
             "settle_step": int(series.steps[settle]) if settle is not None else None}
 
@@ -167,8 +168,8 @@ def build_report(run: Run | str | os.PathLike) -> dict:
 
 
 def _settle_count(series: StepSeries) -> int:
-    """Steps skipped in a row from the first one (start-up backoff)."""
-    good = ~series.skipped
+    """Steps skipped in a row from the first one (start-up backoff; non-finite losses aside)."""
+    good = ~series.skipped | series.forced
     return int(np.argmax(good)) if good.any() else len(series)
 
 
@@ -189,7 +190,9 @@ def _hot_activations(a: Analysis) -> list[tuple[str, float]]:
     peaks = a.scan.activation_peak
     if peaks.empty:
         return []
-    hot = peaks[peaks["amax"] > a.target.max].sort_values("amax", ascending=False)
+    # Only outputs that live in a 16-bit format (the run's, or fp16 itself): an fp32 output is safe.
+    low_precision = peaks["dtype"].isin({a.target.name, a.amp.name} - {"float32", "float64"})
+    hot = peaks[(peaks["amax"] > a.target.max) & low_precision].sort_values("amax", ascending=False)
     return [(str(n), float(v)) for n, v in zip(hot.index, hot["amax"])]
 
 
@@ -257,24 +260,27 @@ def simulate_run(run: Run | str | os.PathLike, **settings) -> dict:
 
 def _predicted_layers(a: Analysis, outcome) -> list[dict]:
     """Per parameter: the underflow rate predicted at the simulated scale of its sampled steps."""
-    from .underflow import UnderflowModel
+    from .layers import _hist_matrix
+    from .underflow import UnderflowModel, lost_at_cutoff
 
     columns = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "hist"]
     table = a.run.table(columns, kinds=["param_grad"])
     if not table.num_rows:
         return []
     table = table.filter(table.column("n_zero").is_valid())
-    bins = len(a.series.hist[0]) if len(a.series) else HIST_BINS
-    hist = np.asarray(table.column("hist").combine_chunks().flatten(), dtype=np.float64).reshape(-1, bins)
+    bins = a.series.hist.shape[1] if len(a.series) else HIST_BINS
+    hist = _hist_matrix(table.column("hist").combine_chunks(), bins)
     frame = table.drop_columns(["hist"]).to_pandas()
     frame["name"] = frame["name"].astype(str)
-    cut = np.log2(a.amp.underflow_below / frame["scale"].to_numpy(dtype=np.float64))
-    from .underflow import lost_at_cutoff
-    at_cut = lost_at_cutoff(hist, frame["n_zero"].to_numpy(), frame["n_subnormal"].to_numpy(), cut,
-                            a.series.min_exp)
-    model = UnderflowModel(hist, cut, at_cut, a.series.min_exp)
-    log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
-    lost = model.lost(np.log2(a.target.underflow_below) - log2s)
+    scale = frame["scale"].to_numpy(dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cut = np.log2(a.amp.underflow_below / np.where(scale > 0, scale, np.nan))
+        at_cut = lost_at_cutoff(hist, frame["n_zero"].to_numpy(), frame["n_subnormal"].to_numpy(), cut,
+                                a.series.min_exp)
+        model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), at_cut, a.series.min_exp)
+        log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
+        lost = model.lost(np.log2(a.target.underflow_below) - log2s)
+    lost = np.where(np.isfinite(lost), lost, 0.0)
     frame["lost"] = lost
     by = frame.groupby("name").agg(lost=("lost", "sum"), numel=("numel", "sum"))
     by["underflow_rate"] = by["lost"] / by["numel"].clip(lower=1)

@@ -61,7 +61,8 @@ def lost_at_cutoff(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray
     rho = density_near_zero(hist, cut_log2, min_exp)
     floor = rho * np.exp2(np.asarray(cut_log2, dtype=np.float64))
     crossing = (np.asarray(n_subnormal) > 0) | ((zeros > 0) & (np.asarray(hist).sum(axis=1) == 0))
-    return np.minimum(np.where(crossing, zeros, floor), zeros)
+    lost = np.minimum(np.where(crossing, zeros, floor), zeros)
+    return np.where(np.isfinite(lost), lost, 0.0)  # an invalid scale (0) judges nothing
 
 
 def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: int) -> np.ndarray:
