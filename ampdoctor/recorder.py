@@ -66,6 +66,7 @@ class RecordOptions:
     flight_steps: int = 32
     escalate_steps: int = 20
     scale_floor: float | None = 1.0
+    check_params: bool = True
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -118,10 +119,20 @@ class StepRecord:
     rank: int
     per_tensor: bool
     amp_dtype: str
-    scalars: torch.Tensor | None      # float32 [scale, found_inf, loss] (None: scaling off, no loss)
+    scalars: torch.Tensor | None      # float32 [scale, found_inf, loss, has_loss, param_peak, has_params]
     groups: list[GroupRecord] = field(default_factory=list)
     taps: list[TapObservation] = field(default_factory=list)  # detailed steps only
+    params: "ParamPeaks | None" = None  # parameter peaks after optimizer.step()
     event: Any = None                 # torch.cuda.Event to wait on before reading
+
+
+@dataclass
+class ParamPeaks:
+    """``max |w|`` of each parameter after ``optimizer.step()`` (NaN/inf when it holds one)."""
+
+    names: list[str]
+    numels: list[int]
+    peaks: torch.Tensor               # float32 [len(names)], on the device until copied
 
 
 @dataclass
@@ -178,6 +189,8 @@ class Recorder:
         self._observed: set[int] = set()
         self._groups: list[GroupRecord] = []
         self._loss: torch.Tensor | None = None
+        self._params: list[ParamPeaks] = []      # this iteration's parameter checks, per optimizer
+        self._params_checked: set[int] = set()
         self._layouts = SlotLayouts()
         self._reported = False  # a failure has been warned about (or raised)
         self._sniff_handle = None
@@ -363,6 +376,42 @@ class Recorder:
             numels = np.array([t.numel() for t in tensors], dtype=np.int64)
             self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats))
 
+    @_guarded
+    def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()``: each parameter's peak magnitude, one fused ``_foreach_norm``
+        (inf-norm; NaN and inf propagate) per (device, dtype). Kept on the device; the step's
+        largest rides in its scalars, so a non-finite parameter is an anomaly. Does not sync."""
+        if not self.options.check_params or id(optimizer) in self._params_checked:
+            return
+        self._params_checked.add(id(optimizer))
+        groups: dict[tuple, tuple[list, list]] = {}
+        for name, p in self._named_params(optimizer):
+            names, tensors = groups.setdefault((p.device, p.dtype), ([], []))
+            names.append(name)
+            tensors.append(p.detach())
+        for (device, _), (names, tensors) in groups.items():
+            with torch.no_grad():
+                peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
+            self._params.append(ParamPeaks(names, [t.numel() for t in tensors], peaks))
+
+    def _named_params(self, optimizer: torch.optim.Optimizer):
+        k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))
+        prefix = "" if k == 0 else f"optimizer{k}."
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if not p.is_sparse:
+                    yield self._names.get(id(p)) or f"{prefix}group{g}.param{i}", p
+
+    def _param_peak(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """The largest parameter peak of the iteration on ``device`` (NaN if any is NaN), and
+        whether there was one."""
+        if not self._params:
+            return torch.zeros((), device=device), 0.0
+        peaks = [p.peaks.to(device, non_blocking=True).max() for p in self._params if len(p.names)]
+        if not peaks:
+            return torch.zeros((), device=device), 0.0
+        return torch.stack(peaks).max(), 1.0
+
     def _named_grads(self, optimizer: torch.optim.Optimizer):
         k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))
         prefix = "" if k == 0 else f"optimizer{k}."
@@ -382,10 +431,14 @@ class Recorder:
         """Snapshot [scale, found_inf, loss, has_loss] before ``update()`` changes the scale in place."""
         scale = getattr(scaler, "_scale", None)
         if not scaler.is_enabled() or scale is None:
-            if self._loss is None:
+            if self._loss is None and not self._params:
                 return None
-            return torch.stack([torch.ones_like(self._loss), torch.zeros_like(self._loss), self._loss,
-                                torch.ones_like(self._loss)])
+            device = self._loss.device if self._loss is not None else self._params[0].peaks.device
+            peak, has_params = self._param_peak(device)
+            loss = self._loss if self._loss is not None else torch.zeros((), device=device)
+            return torch.stack([torch.ones_like(loss), torch.zeros_like(loss), loss.float(),
+                                torch.full_like(loss, 1.0 if self._loss is not None else 0.0, dtype=torch.float32),
+                                peak, torch.full((), has_params, device=device)])
         found = [f.to(scale.device, non_blocking=True)
                  for state in scaler._per_optimizer_states.values()
                  for f in state["found_inf_per_device"].values()]
@@ -395,8 +448,10 @@ class Recorder:
             loss, has_loss = self._loss.to(scale.device, non_blocking=True), 1.0
         else:
             loss, has_loss = torch.zeros((), device=scale.device), 0.0
-        return torch.stack([scale.float(), torch.stack(found).sum(), loss,
-                            torch.full((), has_loss, device=scale.device)])
+        peak, has_params = self._param_peak(scale.device)
+        return torch.stack([scale.float(), torch.stack(found).sum(), loss.float(),
+                            torch.full((), has_loss, device=scale.device), peak,
+                            torch.full((), has_params, device=scale.device)])
 
     @_guarded
     def after_update(self, scalars: torch.Tensor | None) -> None:
@@ -409,7 +464,7 @@ class Recorder:
         mode = self._tap_mode
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._per_tensor_step(),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
-                            taps=taps if mode == "full" else [])
+                            taps=taps if mode == "full" else [], params=_merge_params(self._params))
         light = None
         if mode == "light" and taps:
             peaks = peak_magnitudes([t.stats for t in taps], taps[0].stats[0].device)
@@ -422,6 +477,8 @@ class Recorder:
             record.scalars = to_host(scalars) if scalars is not None else None
             for item in (*record.groups, *record.taps):
                 item.stats = item.stats.to_host(non_blocking=True)
+            if record.params is not None:
+                record.params.peaks = to_host(record.params.peaks)
             if torch.cuda.is_available():
                 record.event = torch.cuda.Event()
                 record.event.record()
@@ -436,6 +493,7 @@ class Recorder:
                           "recorded", RuntimeWarning, stacklevel=3)
         self._dropped_taps = 0
         self._groups, self._loss, self._observed = [], None, set()
+        self._params, self._params_checked = [], set()
         self._backward_scale, self._inv_scales = None, {}
         self.writer.put(record)
         if light is not None:
@@ -495,10 +553,11 @@ class Recorder:
                     break
             self._pending_checks.popleft()
             self._checked_until = step + 1
-            scale, skipped, loss = _read_scalars(scalars)
+            scale, skipped, loss, params = _read_scalars(scalars)
             floor = self.options.scale_floor
             below = floor is not None and scalars is not None and scale < floor
-            if skipped or (loss is not None and not math.isfinite(loss)) or (below and not self._below_floor):
+            if (skipped or (loss is not None and not math.isfinite(loss)) or (below and not self._below_floor)
+                    or (params is not None and not math.isfinite(params))):
                 self._on_anomaly(step)
             self._below_floor = below
         # A checked step can still be in the window of an anomaly up to flight_steps - 1 later.
@@ -521,6 +580,9 @@ class Recorder:
                 record.event = torch.cuda.Event()
                 record.event.record()
             self.writer.put(record)
+        # The anomaly's rows go to disk now, before the process can die of it (the step's own
+        # record is queued already; its materialization closes a segment at once).
+        self.writer.sync()
         if self.options.escalate_steps:
             self._escalate_until = max(self._escalate_until, self.step + 1 + self.options.escalate_steps)
 
@@ -541,7 +603,7 @@ class Recorder:
             record.event.synchronize()
         if isinstance(record, FlightRecord):
             return [self._light_rows(s, record.rank) for s in record.steps], True
-        scale, skipped, loss = _read_scalars(record.scalars)
+        scale, skipped, loss, param_peak = _read_scalars(record.scalars)
         parts = [HostStats.from_device(g.stats) for g in record.groups]
         if parts:
             merged = HostStats.concat(parts)
@@ -569,13 +631,16 @@ class Recorder:
                 dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps],
                 stats=_stat_columns(HostStats.concat([HostStats.from_device(t.stats) for t in taps])),
                 **_call_columns(taps)))
-        anomaly = skipped or (loss is not None and not np.isfinite(loss))
+        if record.params is not None:
+            blocks.append(_param_rows(record.params, common))
+        anomaly = (skipped or (loss is not None and not np.isfinite(loss))
+                   or (param_peak is not None and not np.isfinite(param_peak)))
         return blocks, anomaly
 
     def _light_rows(self, light: LightStep, rank: int) -> tuple[dict[str, np.ndarray], int]:
         """A flight-recorder step: only ``amax`` is measured, as the peak magnitude (NaN or inf
         when the tensor held one); the other statistics are null."""
-        scale, skipped, loss = _read_scalars(light.scalars)
+        scale, skipped, _, _ = _read_scalars(light.scalars)
         taps = light.taps
         peaks = light.peaks.numpy().astype(np.float32)
         inv = np.float32(1.0 / np.float64(scale))  # as torch's unscale_: fp32 1/scale
@@ -592,12 +657,40 @@ class Recorder:
                       **_call_columns(taps))
 
 
-def _read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None]:
-    """(scale, skipped, loss or None) from a host copy of before_update's snapshot."""
+def _read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None, float | None]:
+    """(scale, skipped, loss or None, largest parameter peak or None) from a host copy of
+    before_update's snapshot."""
     if scalars is None:
-        return 1.0, False, None
-    scale, found_inf, loss, has_loss = (float(v) for v in scalars.tolist())
-    return scale, found_inf > 0, (loss if has_loss else None)
+        return 1.0, False, None, None
+    scale, found_inf, loss, has_loss, peak, has_params = (float(v) for v in scalars.tolist())
+    return scale, found_inf > 0, (loss if has_loss else None), (peak if has_params else None)
+
+
+def _merge_params(parts: list[ParamPeaks]) -> ParamPeaks | None:
+    """One :class:`ParamPeaks` for the iteration (every optimizer and device), on one device."""
+    parts = [p for p in parts if p.names]
+    if not parts:
+        return None
+    device = parts[0].peaks.device
+    return ParamPeaks([n for p in parts for n in p.names], [k for p in parts for k in p.numels],
+                      torch.cat([p.peaks.to(device, non_blocking=True) for p in parts]))
+
+
+def _param_rows(params: ParamPeaks, common: dict) -> tuple[dict[str, np.ndarray], int]:
+    """``param`` rows: one for all parameters together (name ""), plus one per parameter that
+    is not finite. Light rows: only ``amax``, the peak ``max |w|`` (NaN or inf when it held one)."""
+    peaks = params.peaks.numpy().astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(peaks))
+    with np.errstate(invalid="ignore"):
+        total = np.float32(np.nan) if np.isnan(peaks).any() else peaks.max()
+    names = [""] + [params.names[i] for i in bad]
+    numels = [int(sum(params.numels))] + [params.numels[i] for i in bad]
+    amax = np.concatenate([[total], peaks[bad]]).astype(np.float32)
+    n = len(names)
+    nulls = np.full(n, None, dtype=object)
+    stats = {"amax": amax, "amin": nulls, "l2": nulls, "n_zero": nulls, "n_subnormal": nulls,
+             "n_nan": nulls, "n_inf": nulls, "hist": nulls}
+    return _block(**common, kinds=["param"] * n, names=names, dtypes=["float32"] * n, numels=numels, stats=stats)
 
 
 def _objects(n: int, values=None) -> np.ndarray:

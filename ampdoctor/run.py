@@ -317,7 +317,7 @@ def describe(run: Run) -> dict:
         "skipped_steps": int(steps.drop_duplicates(["step", "rank"])["skipped"].sum()),
         "ranks": sorted(int(r) for r in df["rank"].unique()),
         "world_size": _num(meta.get("world_size")),
-        "tensors": int(df.loc[df["kind"] != "step", "name"].nunique()),
+        "tensors": int(df.loc[(df["kind"] != "step") & (df["name"] != ""), "name"].nunique()),
         "kinds": kinds,
         "rows": int(len(df)),
         "segments": len(run.segments),

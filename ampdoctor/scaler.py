@@ -64,10 +64,15 @@ class _Recording:
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         """As torch (one sync, torch's own). Records gradients not yet seen by ``unscale_``:
-        fused optimizers unscale inside their step, and a disabled scaler never unscales."""
+        fused optimizers unscale inside their step, and a disabled scaler never unscales. Then
+        checks the parameters the optimizer wrote (one fused inf-norm per device and dtype)."""
         if not self._enabled or "closure" not in kwargs:  # enabled torch refuses closures
             self._observe_scaled_grads(optimizer)
-        return super().step(optimizer, *args, **kwargs)
+        result = super().step(optimizer, *args, **kwargs)
+        rec = self.recorder
+        if rec is not None:
+            rec.observe_params(optimizer)  # did the optimizer write non-finite values? no sync
+        return result
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As torch. Then hands the iteration's record to the writer (non-blocking copies). No sync."""

@@ -31,6 +31,13 @@ import pyarrow.parquet as pq
 from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
 
 _CLOSE = object()   # shutdown sentinel
+
+
+class _Sync:
+    """A marker: write what is pending, then set ``done``."""
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
 _FLUSH = object()   # "write what you have now" (the flush_seconds timer)
 
 _open_writers: set["RunWriter"] = set()
@@ -149,6 +156,16 @@ class RunWriter:
         self._queue.put(record)
         return True
 
+    def sync(self, timeout: float = 30.0) -> bool:
+        """Block until every record queued so far is written to a closed segment (used after an
+        anomaly, so that its rows are on disk before the process can die). False on time-out or
+        when recording has stopped. No device sync: the records' events have completed."""
+        if self._closed or self._error is not None:
+            return False
+        done = threading.Event()
+        self._queue.put(_Sync(done))
+        return done.wait(timeout)
+
     def close(self, timeout: float | None = None) -> None:
         """Write the last segment and stop the worker. Idempotent; waits for the worker."""
         with self._close_lock:
@@ -171,6 +188,11 @@ class RunWriter:
             if item is _CLOSE:
                 self._guarded(lambda: self._write_segment(final=True))
                 return
+            if isinstance(item, _Sync):
+                if self._pending.rows:
+                    self._guarded(lambda: self._write_segment(final=False))
+                item.done.set()  # also after a failure: nobody waits forever
+                continue
             if self._error is not None or item is None:
                 continue  # failed: drain and drop until the sentinel
             if item is _FLUSH:

@@ -352,11 +352,11 @@ def test_every_and_level(tmp_path):
     expected = {s for s in range(STEPS) if s % 4 == 0} | {s + k for s in skipped for k in (1, 2)}
     assert skipped and set(escalated.query("kind == 'param_grad'").step) == expected & set(range(STEPS))
     steps_only = run(level="steps", escalate_steps=0)
-    assert set(steps_only.kind) == {"step"} and len(steps_only) == STEPS
+    assert set(steps_only.kind) == {"step", "param"} and len(steps_only) == 2 * STEPS
     # The step row holds the whole model's gradient statistics at every level.
     full = run()
     a = full.query("kind == 'step'").set_index("step")
-    b = steps_only.set_index("step")
+    b = steps_only.query("kind == 'step'").set_index("step")
     assert (a.numel == b.numel).all() and (a.n_zero == b.n_zero).all()
     assert (a.amax == b.amax).all()
 
