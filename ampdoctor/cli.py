@@ -145,6 +145,20 @@ def layers(run: str, sort: str, top: int | None, fmt: str, output: str | None) -
 
 
 @main.command()
+@run_argument
+@output_format("text", "md", "json", "html")
+@output_option
+@library_errors
+def postmortem(run: str, fmt: str, output: str | None) -> None:
+    """Why the loss (or the parameters) went non-finite: the first event, its cause and origin,
+    the steps that led there, and what to change. Exit 0 either way; `status` says which."""
+    from .reports import render
+    from .reports.postmortem import postmortem as analyse_run
+
+    _emit(render.postmortem(analyse_run(run), fmt, color=output is None and _color()), output)
+
+
+@main.command()
 @click.option("--out", "path", default="ampdoctor-demo.parquet", show_default=True,
               type=click.Path(path_type=str), help="Run directory to write.")
 @click.option("--steps", type=click.IntRange(min=1), default=None,

@@ -632,7 +632,7 @@ class Recorder:
                 stats=_stat_columns(HostStats.concat([HostStats.from_device(t.stats) for t in taps])),
                 **_call_columns(taps)))
         if record.params is not None:
-            blocks.append(_param_rows(record.params, common))
+            blocks.append(_param_rows(record.params, common, float_format(record.amp_dtype).max))
         anomaly = (skipped or (loss is not None and not np.isfinite(loss))
                    or (param_peak is not None and not np.isfinite(param_peak)))
         return blocks, anomaly
@@ -676,11 +676,13 @@ def _merge_params(parts: list[ParamPeaks]) -> ParamPeaks | None:
                       torch.cat([p.peaks.to(device, non_blocking=True) for p in parts]))
 
 
-def _param_rows(params: ParamPeaks, common: dict) -> tuple[dict[str, np.ndarray], int]:
+def _param_rows(params: ParamPeaks, common: dict, amp_max: float) -> tuple[dict[str, np.ndarray], int]:
     """``param`` rows: one for all parameters together (name ""), plus one per parameter that
-    is not finite. Light rows: only ``amax``, the peak ``max |w|`` (NaN or inf when it held one)."""
+    is not finite or is beyond the AMP format's max (autocast would cast it to inf). Light rows:
+    only ``amax``, the peak ``max |w|`` (NaN or inf when it held one)."""
     peaks = params.peaks.numpy().astype(np.float32)
-    bad = np.flatnonzero(~np.isfinite(peaks))
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~np.isfinite(peaks) | (peaks > amp_max))
     with np.errstate(invalid="ignore"):
         total = np.float32(np.nan) if np.isnan(peaks).any() else peaks.max()
     names = [""] + [params.names[i] for i in bad]

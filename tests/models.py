@@ -220,6 +220,53 @@ def train_recorded(path, *, steps: int = 150, loss_factor: float = 1.0, seed: in
     return skipped
 
 
+def train_with_faults(path, model, *, steps: int = 30, lr: float = 0.01, seed: int = 1, init_scale=2.0**16,
+                      before_step=None, corrupt_batch=None, optimizer=None, kill_at=None, **options):
+    """fp16 AMP training of ``model`` on the CPU with an ``ampdoctor.GradScaler`` and faults
+    injected at known steps: ``before_step(i)``, ``corrupt_batch(i, x, y)`` (returns x, y),
+    ``optimizer(params)`` (builds the optimizer: a buggy one), and ``kill_at``: SIGKILL this
+    process right after that step's ``update()``."""
+    import os
+    import signal
+
+    import ampdoctor
+
+    opt = optimizer(model.parameters()) if optimizer is not None else torch.optim.SGD(model.parameters(), lr=lr)
+    scaler = ampdoctor.GradScaler("cpu", init_scale=init_scale, model=model, path=path, amp_dtype=torch.float16,
+                                  **options)
+    first = next(model.parameters())
+    d_in = first.shape[1] if first.dim() == 2 else 16
+    for i, (x, y) in enumerate(batches(steps, seed=seed, d_in=d_in)):
+        if before_step is not None:
+            before_step(i)
+        if corrupt_batch is not None:
+            x, y = corrupt_batch(i, x, y)
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if kill_at is not None and i == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    scaler.close()
+    return model
+
+
+class NaNWritingSGD(torch.optim.SGD):
+    """SGD whose step ``bad_step`` writes a NaN into the first element of parameter ``index``."""
+
+    def __init__(self, params, lr=0.01, bad_step=10, index=-2):
+        super().__init__(params, lr=lr)
+        self.bad_step, self.index, self.count = bad_step, index, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        if self.count == self.bad_step:
+            self.param_groups[0]["params"][self.index].view(-1)[0] = float("nan")
+        self.count += 1
+        return loss
+
+
 def set_at(obj, attr: str, value, steps, normal=1.0):
     """A ``before_step`` callback: ``obj.attr = value`` at the given step(s), ``normal`` otherwise."""
     steps = {steps} if isinstance(steps, int) else set(steps)

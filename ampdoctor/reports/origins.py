@@ -12,7 +12,8 @@
   module. A non-finite parameter gradient whose module's output gradients were all finite (a
   weight gradient that overflowed in its own reduction) is produced by its module's backward,
   just after that module's output gradient arrived; whichever of the two came first wins.
-  A step with a non-finite loss gets no overflow origin: every gradient after it is a
+  Without module rows (``level="params"``) that order is unknown, so only a single non-finite
+  parameter gradient is named. A step with a non-finite loss gets no overflow origin: every gradient after it is a
   consequence (its forward origin says where it came from).
 
 A step is *anomalous* when it was skipped, its loss was non-finite, or a gradient (parameter or
@@ -132,6 +133,8 @@ def _overflow_origin(step, rank, rows, modules, calls) -> Origin | None:
             name, "grad_output", rank, step, producer,
             calls.occurrence(producer) if producer is not None else None, int(r["order"]), r["name"])))
     params = rows[(rows["kind"] == "param_grad") & rows["_bad"]]
+    if len(params) > 1 and not len(grads):
+        params = params.iloc[:0]  # no module rows to order them by: which came first is unknown
     if len(params):
         first_grad = grads.groupby("name")["order"].min() if len(grads) else pd.Series(dtype=float)
         module_names = set(modules["name"])

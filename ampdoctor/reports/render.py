@@ -52,3 +52,16 @@ def layers(data: dict, fmt: str) -> str:
         return layers_markdown(data)
     from .render_text import layers_text
     return layers_text(data)
+
+
+def postmortem(data: dict, fmt: str, *, color: bool = False) -> str:
+    if fmt == "json":
+        return to_json(data)
+    if fmt == "md":
+        from .render_markdown import postmortem_markdown
+        return postmortem_markdown(data)
+    if fmt == "html":
+        from .render_html import postmortem_html
+        return postmortem_html(data)
+    from .render_text import postmortem_text
+    return postmortem_text(data, color=color)

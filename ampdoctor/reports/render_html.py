@@ -458,12 +458,90 @@ def report_html(report: dict) -> str:
     if other:
         sections.append(("not-available", "Not available",
                          _dl((str(k), f'<span class="missing">{_e(v)}</span>') for k, v in other.items())))
-    body = "\n".join(f'<section id="{sid}">\n<h2>{title}</h2>\n{content}\n</section>'
-                     for sid, title, content in sections)
+    return _page("ampdoctor report", path, sections)
+
+
+def _page(title: str, path: str, sections: Sequence[tuple[str, str, str]]) -> str:
+    """One self-contained page; section contents must already be escaped."""
+    body = "\n".join(f'<section id="{sid}">\n<h2>{heading}</h2>\n{content}\n</section>'
+                     for sid, heading, content in sections)
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>ampdoctor report: {_e(path)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n"
-        f"<h1>ampdoctor report</h1>\n<p><code>{_e(path)}</code></p>\n{body}\n</main>\n</body>\n</html>\n"
+        f"<title>{_e(title)}: {_e(path)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n"
+        f"<h1>{_e(title)}</h1>\n<p><code>{_e(path)}</code></p>\n{body}\n</main>\n</body>\n</html>\n"
     )
+
+
+def _timeline_figure(timeline: Sequence[dict]) -> Figure | None:
+    """Loss, gradient norm and loss scale over the steps before the event (log2 y axes)."""
+    points = [r for r in timeline if isinstance(r.get("loss"), (int, float)) or isinstance(r.get("grad_norm"), (int, float))]
+    if len(points) < 2:
+        return None
+    from matplotlib.figure import Figure as _Figure
+
+    fig = _Figure(figsize=(8, 3.2))
+    ax = fig.add_subplot()
+    for key, label, color in (("loss", "loss", "#1f77b4"), ("grad_norm", "gradient norm", "#ff7f0e"),
+                              ("scale", "loss scale", "#2ca02c")):
+        xs = [r["step"] for r in timeline if isinstance(r.get(key), (int, float)) and r[key] > 0]
+        ys = [r[key] for r in timeline if isinstance(r.get(key), (int, float)) and r[key] > 0]
+        if xs:
+            ax.plot(xs, ys, marker="o", label=label, color=color)
+    bad = [r["step"] for r in timeline if isinstance(r.get("loss"), str)]
+    skipped = [r["step"] for r in timeline if r.get("skipped")]
+    for x in skipped:
+        ax.axvline(x, color="#d62728", alpha=0.25)
+    for x in bad:
+        ax.axvline(x, color="#d62728", linewidth=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def postmortem_html(pm: dict) -> str:
+    """``ampdoctor postmortem --format html``: the verdict, the timeline (table and chart), the advice."""
+    run = pm.get("run") or {}
+    path = run.get("path", "")
+    if pm.get("status") == "healthy":
+        sections = [("verdict", "Verdict", "<p><strong>healthy</strong>: no non-finite loss, parameter or run "
+                                           "of skipped steps.</p>" + _bullets(pm.get("notes") or []))]
+        return _page("ampdoctor postmortem", path, sections)
+    origin = pm.get("origin") or {}
+    items = [("cause", f"<strong>{_e(pm.get('cause'))}</strong>"),
+             ("event", _e(pm["event"]["description"]))]
+    if origin.get("name"):
+        items.append(("origin", f"<code>{_e(origin['name'])}</code> ({_e(origin.get('kind'))}), step "
+                                f"{_e(origin.get('step'))}, rank {_e(origin.get('rank'))}"))
+    rows = [[_e(r["step"]), _e(scale_str(r["scale"])), "yes" if r["skipped"] else "",
+             _e(_value(r["loss"])), _e(_value(r["grad_norm"])), _e(_value(r["max_activation"])),
+             f"<code>{_e(r['max_activation_module'])}</code>" if r["max_activation_module"] else "—"]
+            for r in pm.get("timeline") or []]
+    chart = ""
+    try:
+        fig = _timeline_figure(pm.get("timeline") or [])
+        chart = _figure(None if fig is None else _svg(fig, "timeline", "timeline chart"), "timeline chart",
+                        "Loss, gradient norm and loss scale before the event (log2 axis); red lines: "
+                        "skipped steps, thick: a non-finite loss.")
+    except ImportError:
+        chart = '<p class="nodata">Charts need matplotlib, which is not installed.</p>'
+    sections = [
+        ("verdict", "Verdict", _dl(items)),
+        ("timeline", "Steps before the event",
+         (_table(["step", "scale", "skipped", "loss", "grad norm", "max activation", "module"], rows,
+                 num=(0, 1, 3, 4, 5), name=(6,)) if rows else "<p>No steps recorded before it.</p>") + chart),
+        ("advice", "What to change", _bullets(pm.get("advice") or []) or "<p>None.</p>"),
+    ]
+    if pm.get("notes"):
+        sections.append(("notes", "Not determined / notes", _bullets(pm["notes"])))
+    return _page("ampdoctor postmortem", path, sections)
+
+
+def _value(x) -> str:
+    if x is None:
+        return "—"
+    return x if isinstance(x, str) else number(x)

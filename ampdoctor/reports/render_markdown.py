@@ -247,3 +247,39 @@ def layers_markdown(layers: dict) -> str:
     if layers.get("missing"):
         lines += ["", f"> {_text(layers['missing'])}"]
     return "\n".join(lines) + "\n"
+
+
+def postmortem_markdown(pm: dict) -> str:
+    """``ampdoctor postmortem --format md``."""
+    run = pm.get("run") or {}
+    out = ["# ampdoctor postmortem", "", f"- **run**: {_code(run.get('path', ''), in_table=False)}", ""]
+    if pm.get("status") == "healthy":
+        out += ["**healthy**: no non-finite loss, parameter or run of skipped steps.", ""]
+        out += _bullets(pm.get("notes") or [])
+        return "\n".join(out).rstrip() + "\n"
+    origin = pm.get("origin") or {}
+    out += [f"**Cause: {_inline(pm.get('cause'))}**", "", _field("event", pm["event"]["description"])]
+    if origin.get("name"):
+        out.append(f"- **origin**: {_code(origin['name'], in_table=False)} ({_inline(origin.get('kind'))}), "
+                   f"step {_inline(origin.get('step'))}, rank {_inline(origin.get('rank'))}")
+    out.append("")
+    if pm.get("timeline"):
+        rows = [[r["step"], scale_str(r["scale"]), "yes" if r["skipped"] else "",
+                 _cell(r["loss"]), _cell(r["grad_norm"]), _cell(r["max_activation"]),
+                 r["max_activation_module"] or "—"]
+                for r in pm["timeline"]]
+        out += ["## Steps before the event", ""]
+        out += _table(["step", "scale", "skipped", "loss", "grad norm", "max activation", "module"], rows,
+                      right=(0, 1, 3, 4, 5), code=(6,))
+        out.append("")
+    if pm.get("advice"):
+        out += ["## What to change", ""] + [f"{i}. {_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]
+    if pm.get("notes"):
+        out += ["## Not determined / notes", ""] + _bullets(pm["notes"]) + [""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "—"
+    return value if isinstance(value, str) else number(value)

@@ -171,3 +171,55 @@ def layers_text(data: dict) -> str:
     if data["missing"]:
         return data["missing"]
     return "\n".join(layers_table(data["layers"]))
+
+
+CAUSE_TITLES = {
+    "forward_overflow": "an activation exceeded the format's range (forward overflow)",
+    "backward_overflow": "gradients overflowed while the loss was finite (backward overflow)",
+    "nonfinite_input": "a non-finite value came in with the data (non-finite input)",
+    "scale_collapse": "repeated overflow drove the loss scale toward zero (scale collapse)",
+    "divergence": "the loss and gradient norm grew until they overflowed (divergence)",
+    "nonfinite_weights": "the optimizer wrote non-finite parameters (non-finite weights)",
+    "unknown": "the data recorded cannot tell (unknown)",
+}
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        return value
+    return number(value)
+
+
+def postmortem_text(pm: dict, color: bool = False) -> str:
+    """``ampdoctor postmortem`` for the terminal."""
+    run = pm["run"]
+    out = [_heading(f"ampdoctor postmortem  {_clip(str(run['path']), WIDTH - 22)}", color),
+           f"{run['steps']} steps, {run['ranks']} rank(s), level {run['level']}", ""]
+    if pm["status"] == "healthy":
+        out.append(_style("healthy: no non-finite loss, parameter or run of skipped steps", color, fg="green"))
+        out += _wrap(pm["notes"][0], "note: ") if pm["notes"] else []
+        return "\n".join(out)
+    origin = pm["origin"] or {}
+    out.append(_style(f"{pm['cause']}: {CAUSE_TITLES[pm['cause']]}", color, fg="red", bold=True))
+    out += _wrap(pm["event"]["description"], "event: ")
+    if origin.get("name"):
+        out.append(f"origin: {origin['name']} ({origin['kind']}), step {origin['step']}, rank {origin['rank']}")
+    if pm["timeline"]:
+        out += ["", _heading("Steps before the event", color),
+                f"  {'step':>7} {'scale':>9} {'skip':>5} {'loss':>10} {'grad norm':>10} "
+                f"{'max activation':>15}  module"]
+        for r in pm["timeline"]:
+            module = _clip(r["max_activation_module"] or "—", 32)
+            out.append(f"  {r['step']:>7} {scale_str(r['scale']):>9} {'yes' if r['skipped'] else '':>5} "
+                       f"{_cell(r['loss']):>10} {_cell(r['grad_norm']):>10} {_cell(r['max_activation']):>15}  {module}")
+    if pm["advice"]:
+        out += ["", _heading("What to change", color)]
+        for i, item in enumerate(pm["advice"], 1):
+            out += _wrap(item, f"  {i}. ")
+    if pm["notes"]:
+        out += ["", _heading("Not determined / notes", color)]
+        for n in pm["notes"]:
+            out += _wrap(n)
+    return "\n".join(out)

@@ -1,0 +1,192 @@
+"""`ampdoctor postmortem`: one scenario per cause, on real CPU fp16 runs of tiny models with faults
+injected at known steps; plus a healthy run, a run killed right after the event, and a run recorded
+at level="params"."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ampdoctor
+from ampdoctor.cli import main
+from ampdoctor.reports import render
+from models import MLP, DeepNet, NaNWritingSGD, set_at, train_with_faults
+
+FAULT = 12  # the step every fault is injected at
+
+
+def _nan_batch(i, x, y):
+    if i == FAULT:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _big_weights():
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.weight.mul_(1e6)  # as a checkpoint trained in bf16/fp32 might hold
+    return model
+
+
+def _deep():
+    torch.manual_seed(0)
+    return DeepNet()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLP()
+
+
+def scenario(name, path, **extra):
+    """Train the scenario's model with its fault; returns the model."""
+    if name == "forward_overflow":
+        m = _deep()
+        return train_with_faults(path, m, before_step=set_at(m.blocks[1].inner.gain, "gain", 1e6, FAULT), **extra)
+    if name == "backward_overflow":
+        m = _deep()
+        return train_with_faults(path, m, before_step=set_at(m.blocks[1].inner.boom, "factor", 1e4,
+                                                             range(FAULT, 100)), **extra)
+    if name == "nonfinite_input":
+        return train_with_faults(path, _deep(), corrupt_batch=_nan_batch, **extra)
+    if name == "divergence":
+        return train_with_faults(path, _mlp(), lr=3.0, steps=60, **extra)
+    if name == "big_weights":
+        return train_with_faults(path, _big_weights(), steps=5, **extra)
+    if name == "nonfinite_weights":
+        return train_with_faults(path, _mlp(), optimizer=lambda ps: NaNWritingSGD(ps, bad_step=FAULT), **extra)
+    if name == "healthy":
+        return train_with_faults(path, _mlp(), **extra)
+    raise ValueError(name)
+
+
+EXPECTED = {  # scenario: (cause, origin name, origin step, a phrase the advice must contain)
+    "forward_overflow": ("forward_overflow", "blocks.1.inner.gain", FAULT, "float32"),
+    "backward_overflow": ("backward_overflow", "blocks.1.inner.boom", FAULT, "blocks.1.inner.boom"),
+    "nonfinite_input": ("nonfinite_input", "inp", FAULT, f"batch of step {FAULT}"),
+    "divergence": ("divergence", None, None, "learning rate"),
+    "big_weights": ("forward_overflow", "fc1", 0, "bfloat16"),
+    "nonfinite_weights": ("nonfinite_weights", "fc2.weight", FAULT, "optimizer"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("postmortem")
+    out = {}
+    for name in list(EXPECTED) + ["healthy"]:
+        path = root / f"{name}.parquet"
+        scenario(name, path, level="full")
+        out[name] = path
+    return out
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_cause_origin_and_advice(runs, name):
+    pm = ampdoctor.postmortem(runs[name])
+    cause, origin, step, phrase = EXPECTED[name]
+    assert pm["status"] == "nonfinite"
+    assert pm["cause"] == cause, pm
+    assert pm["origin"]["rank"] == 0
+    if origin is not None:
+        assert pm["origin"]["name"] == origin and pm["origin"]["step"] == step, pm["origin"]
+    assert any(phrase in a for a in pm["advice"]), pm["advice"]
+    assert pm["timeline"] and pm["timeline"][-1]["step"] == pm["first_nonfinite_step"]
+
+
+def test_divergence_evidence_is_in_numbers(runs):
+    pm = ampdoctor.postmortem(runs["divergence"])
+    trend = pm["evidence"]["trend"]
+    assert trend["loss_to"] >= 2 * trend["loss_from"] and trend["grad_norm_to"] >= 10 * trend["grad_norm_from"]
+    assert any("clip_grad_norm_" in a for a in pm["advice"])
+
+
+def test_big_weights_name_the_parameter(runs):
+    pm = ampdoctor.postmortem(runs["big_weights"])
+    assert pm["evidence"]["large_parameters"][0]["name"] == "fc1.weight"
+    assert pm["evidence"]["large_parameters"][0]["amax"] > 65504
+
+
+def test_nonfinite_weights_is_an_anomaly_with_param_rows(runs):
+    frame = ampdoctor.load(runs["nonfinite_weights"])
+    rows = frame[(frame.kind == "param") & (frame.name == "fc2.weight")]
+    assert rows.step.min() == FAULT and rows.amax.isna().all()
+
+
+def test_healthy_run_says_healthy(runs):
+    pm = ampdoctor.postmortem(runs["healthy"])
+    assert pm["status"] == "healthy" and pm["cause"] is None and pm["advice"] == []
+    assert "healthy" in render.postmortem(pm, "text")
+
+
+POSTMORTEM_CONTRACT = {"status": str, "first_nonfinite_step": int, "cause": str,
+                       "origin": {"name": (str, type(None)), "kind": (str, type(None)), "rank": int, "step": int},
+                       "timeline": [dict], "advice": [str]}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED) + ["healthy"])
+def test_every_format(runs, name, tmp_path):
+    from test_report import check_contract
+
+    for fmt in ("text", "md", "json", "html"):
+        out = tmp_path / f"pm.{fmt}"
+        result = CliRunner().invoke(main, ["postmortem", str(runs[name]), "--format", fmt, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        text = out.read_text()
+        if fmt == "json":
+            data = json.loads(text)
+            if name != "healthy":
+                check_contract(data, POSTMORTEM_CONTRACT)
+                assert data["cause"] in ampdoctor.reports.postmortem.CAUSES
+        if fmt == "text":
+            assert max(len(line) for line in text.splitlines()) <= 100
+        if fmt == "html":
+            assert text.startswith("<!DOCTYPE html>")
+
+
+def test_params_level_gives_the_cause_and_says_what_is_missing(tmp_path):
+    """Without module rows at the event (escalation comes after it), the cause still follows from
+    the step rows, and the output says the module detail is missing and how to get it."""
+    path = tmp_path / "params.parquet"
+    scenario("backward_overflow", path, level="params", escalate_steps=0)
+    pm = ampdoctor.postmortem(path)
+    assert pm["cause"] == "backward_overflow" and pm["origin"]["step"] == FAULT
+    assert any("level='full'" in n for n in pm["notes"])
+    path = tmp_path / "diverge.parquet"
+    scenario("divergence", path, level="params", escalate_steps=0)
+    assert ampdoctor.postmortem(path)["cause"] == "divergence"
+
+
+@pytest.mark.parametrize("how", ["sigkill", "raise"])
+def test_a_run_that_dies_right_after_the_event_still_explains_it(tmp_path, how):
+    path = tmp_path / "dead.parquet"
+    tests = Path(__file__).resolve().parent
+    die = f"kill_at={FAULT}" if how == "sigkill" else "before_step=boom"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tests)!r})
+        import torch
+        from models import MLP, NaNWritingSGD, train_with_faults
+        def boom(i):
+            if i == {FAULT} + 1:
+                raise RuntimeError("the training process dies")
+        torch.manual_seed(0)
+        train_with_faults({str(path)!r}, MLP(), optimizer=lambda ps: NaNWritingSGD(ps, bad_step={FAULT}),
+                          flush_every=1000, flush_seconds=600, {die})
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    pm = ampdoctor.postmortem(path)
+    assert pm["cause"] == "nonfinite_weights" and pm["origin"]["name"] == "fc2.weight"
+    assert pm["origin"]["step"] == FAULT
+    if how == "sigkill":
+        assert any("did not end with close()" in n for n in pm["notes"])
