@@ -99,6 +99,8 @@ def test_cause_origin_and_advice(runs, name):
     assert pm["origin"]["rank"] == 0
     if origin is not None:
         assert pm["origin"]["name"] == origin and pm["origin"]["step"] == step, pm["origin"]
+    else:  # divergence: where the growth finally overflowed, at the event
+        assert pm["origin"]["name"] and pm["origin"]["step"] == pm["first_nonfinite_step"], pm["origin"]
     assert any(phrase in a for a in pm["advice"]), pm["advice"]
     assert pm["timeline"] and pm["timeline"][-1]["step"] == pm["first_nonfinite_step"]
 
@@ -190,3 +192,15 @@ def test_a_run_that_dies_right_after_the_event_still_explains_it(tmp_path, how):
     assert pm["origin"]["step"] == FAULT
     if how == "sigkill":
         assert any("did not end with close()" in n for n in pm["notes"])
+
+
+def test_scale_collapse(tmp_path):
+    """Gradients beyond fp16's range themselves: every scale down to below 1 overflows."""
+    from models import train_recorded
+
+    path = tmp_path / "collapse.parquet"
+    train_recorded(path, steps=30, loss_factor=1e12, init_scale=2.0**4)
+    pm = ampdoctor.postmortem(path)
+    assert pm["cause"] == "scale_collapse", pm
+    assert pm["evidence"]["min_scale"] < 1
+    assert any("learning rate" in a or "clip" in a for a in pm["advice"])
