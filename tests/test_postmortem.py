@@ -204,3 +204,17 @@ def test_scale_collapse(tmp_path):
     assert pm["cause"] == "scale_collapse", pm
     assert pm["evidence"]["min_scale"] < 1
     assert any("learning rate" in a or "clip" in a for a in pm["advice"])
+
+
+def test_postmortem_html_opens_in_headless_chromium(runs, tmp_path):
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    page = tmp_path / "pm.html"
+    page.write_text(render.postmortem(ampdoctor.postmortem(runs["forward_overflow"]), "html"))
+    result = subprocess.run([chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                             "--v=0", "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0 and "blocks.1.inner.gain" in result.stdout and "<svg" in result.stdout
+    assert "CONSOLE" not in result.stderr and "Uncaught" not in result.stderr, result.stderr[-2000:]
