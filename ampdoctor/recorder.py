@@ -211,6 +211,7 @@ class Recorder:
         self._pending_checks: collections.deque = collections.deque()  # (step, host scalars, event)
         self._escalate_until = start_step       # steps below this are detailed (after an anomaly)
         self._below_floor = False
+        self._last_anomaly = -2                 # the last anomalous step (a run of them syncs once)
         self.rank, self.world_size = _rank_and_world(options.rank)
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -556,16 +557,17 @@ class Recorder:
             scale, skipped, loss, params = _read_scalars(scalars)
             floor = self.options.scale_floor
             below = floor is not None and scalars is not None and scale < floor
-            if (skipped or (loss is not None and not math.isfinite(loss)) or (below and not self._below_floor)
-                    or (params is not None and not math.isfinite(params))):
-                self._on_anomaly(step)
+            fatal = ((loss is not None and not math.isfinite(loss))
+                     or (params is not None and not math.isfinite(params)))
+            if skipped or fatal or (below and not self._below_floor):
+                self._on_anomaly(step, fatal=fatal)
             self._below_floor = below
         # A checked step can still be in the window of an anomaly up to flight_steps - 1 later.
         horizon = self._checked_until - self.options.flight_steps
         while self._flight and self._flight[0].step < horizon:
             self._flight.popleft()
 
-    def _on_anomaly(self, step: int) -> None:
+    def _on_anomaly(self, step: int, *, fatal: bool = False) -> None:
         """Write out the flight recorder's steps up to ``step`` and escalate the next steps."""
         window = [e for e in self._flight if step - self.options.flight_steps < e.step <= step]
         later = [e for e in self._flight if e.step > step]  # seen already, checked later
@@ -581,8 +583,12 @@ class Recorder:
                 record.event.record()
             self.writer.put(record)
         # The anomaly's rows go to disk now, before the process can die of it (the step's own
-        # record is queued already; its materialization closes a segment at once).
-        self.writer.sync()
+        # record is queued already; its materialization closes a segment at once). A run of
+        # skipped steps waits only at its first: a collapsing run must not also crawl; a non-finite
+        # loss or parameter, which training may not survive, always waits.
+        if fatal or step != self._last_anomaly + 1:
+            self.writer.sync()
+        self._last_anomaly = step
         if self.options.escalate_steps:
             self._escalate_until = max(self._escalate_until, self.step + 1 + self.options.escalate_steps)
 

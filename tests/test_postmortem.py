@@ -218,3 +218,18 @@ def test_postmortem_html_opens_in_headless_chromium(runs, tmp_path):
                              "--v=0", "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=90)
     assert result.returncode == 0 and "blocks.1.inner.gain" in result.stdout and "<svg" in result.stdout
     assert "CONSOLE" not in result.stderr and "Uncaught" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_run_of_skipped_steps_waits_for_the_disk_once(tmp_path, monkeypatch):
+    from ampdoctor.writer import RunWriter
+    from models import train_recorded
+
+    calls = []
+    original = RunWriter.sync
+    monkeypatch.setattr(RunWriter, "sync", lambda self, timeout=30.0: calls.append(1) or original(self, timeout))
+    assert train_recorded(tmp_path / "skips.parquet", steps=20, loss_factor=1e20) == 20
+    assert len(calls) == 1
+    calls.clear()
+    train_with_faults(tmp_path / "nan.parquet", _mlp(), corrupt_batch=lambda i, x, y: (x * float("nan"), y)
+                      if i >= 5 else (x, y), steps=10)
+    assert len(calls) == 5  # a non-finite loss always waits
