@@ -1,0 +1,271 @@
+"""Step-time overhead of ampdoctor's recording levels against the plain torch.amp.GradScaler, and of
+the tools people use today (transformers' DebugUnderflowOverflow, torch.autograd.detect_anomaly).
+
+Every variant trains its own copy of the same GPT-like model (same initial weights, same batches)
+in one process, one step each in turn (alternating, after warm-up), so that drift in clock speed or
+background load hits all of them alike. Reports the median step time and its ratio to plain, bytes
+written per step, and on CUDA the host-device syncs per step (``torch.cuda.set_sync_debug_mode``)
+and the extra GPU memory. Prints a table and writes JSON.
+
+    python benchmarks/overhead.py                         # CPU, bf16 autocast, small GPT
+    python benchmarks/overhead.py --device cuda --size gpt2   # GPT-2-small-like, fp16, batch 8x1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ampdoctor
+
+SIZES = {  # layers, d_model, heads, context, batch, vocab
+    "small": (4, 256, 4, 128, 8, 512),
+    "gpt2": (12, 768, 12, 1024, 8, 50257),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # Causal via is_causal, not a mask argument: DebugUnderflowOverflow aborts on a -inf mask.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, context: int, vocab: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    path: Path | None = None
+    anomaly: bool = False
+    hook: object = None
+
+
+def make_variants(names, size, device, workdir: Path, seed: int = 0) -> list[Variant]:
+    layers, d, heads, context, _, vocab = SIZES[size]
+    out = []
+    for name in names:
+        torch.manual_seed(seed)
+        model = GPT(layers, d, heads, context, vocab).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        path, hook = None, None
+        if name.startswith("ampdoctor"):
+            path = workdir / f"{name}.parquet"
+            options = {"steps": dict(level="steps"), "params": dict(level="params"),
+                       "full": dict(level="full"), "full-every10": dict(level="full", every=10)}[name.split(":")[1]]
+            scaler = ampdoctor.GradScaler(device, model=model, path=path, **options)
+        else:
+            scaler = torch.amp.GradScaler(device)
+        if name == "hf-debug":
+            from transformers.debug_utils import DebugUnderflowOverflow
+            hook = DebugUnderflowOverflow(model)
+        out.append(Variant(name, model, opt, scaler, path, anomaly=name == "detect-anomaly", hook=hook))
+    return out
+
+
+def train_step(v: Variant, batch, dtype, device) -> None:
+    x, y = batch
+    ctx = torch.autograd.detect_anomaly() if v.anomaly else contextlib.nullcontext()
+    with ctx:
+        with torch.autocast(device, dtype=dtype):
+            logits = v.model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        v.scaler.scale(loss).backward()
+    v.scaler.unscale_(v.optimizer)
+    torch.nn.utils.clip_grad_norm_(v.model.parameters(), 1.0)
+    v.scaler.step(v.optimizer)
+    v.scaler.update()
+    v.optimizer.zero_grad(set_to_none=True)
+
+
+def batches(size, device, n, seed=1):
+    _, _, _, context, batch, vocab = SIZES[size]
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        seq = torch.randint(0, vocab, (batch, context + 1), generator=gen)
+        yield seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(args) -> dict:
+    device = args.device
+    dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    names = ["plain", "ampdoctor:steps", "ampdoctor:params", "ampdoctor:full", "ampdoctor:full-every10",
+             "detect-anomaly"]
+    skipped_variants = {}
+    try:
+        import transformers.debug_utils  # noqa: F401
+        names.insert(-1, "hf-debug")
+    except ImportError as exc:
+        skipped_variants["hf-debug"] = f"transformers is not installed ({exc})"
+    workdir = Path(tempfile.mkdtemp(prefix="ampdoctor-bench-"))
+    variants = make_variants(names, args.size, device, workdir)
+    times = {v.name: [] for v in variants}
+    total = args.warmup + args.steps
+    data = list(batches(args.size, device, total))
+    for i, batch in enumerate(data):
+        for v in variants:
+            _sync(device)
+            t = time.perf_counter()
+            train_step(v, batch, dtype, device)
+            _sync(device)
+            if i >= args.warmup:
+                times[v.name].append(time.perf_counter() - t)
+    extra = {}
+    if device == "cuda":
+        extra = cuda_counts(variants, data[:8], dtype, device)
+    for v in variants:
+        if isinstance(v.scaler, ampdoctor.GradScaler):
+            v.scaler.close()
+        if v.hook is not None:
+            with contextlib.suppress(Exception):
+                v.hook.remove_hooks() if hasattr(v.hook, "remove_hooks") else None
+    plain = statistics.median(times["plain"])
+    results = []
+    for v in variants:
+        med = statistics.median(times[v.name])
+        row = {"variant": v.name, "median_ms": 1e3 * med, "ratio": med / plain,
+               "p10_ratio": _quantile(times[v.name], 0.1) / _quantile(times["plain"], 0.1)}
+        if v.path is not None:
+            size = sum(f.stat().st_size for f in v.path.glob("*.parquet"))
+            row["bytes_per_step"] = size / (total + len(extra and data[:8]))
+        row.update(extra.get(v.name, {}))
+        results.append(row)
+    shutil.rmtree(workdir, ignore_errors=True)
+    layers, d, heads, context, batch, vocab = SIZES[args.size]
+    params = sum(p.numel() for p in variants[0].model.parameters())
+    return {"benchmark": "overhead", "device": _device_name(device), "device_type": device,
+            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "ampdoctor": ampdoctor.__version__,
+            "python": platform.python_version(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "size": args.size, "model": {"layers": layers, "d_model": d, "heads": heads, "context": context,
+                                         "batch": batch, "vocab": vocab, "parameters": params},
+            "warmup": args.warmup, "steps": args.steps, "results": results, "skipped_variants": skipped_variants}
+
+
+def cuda_counts(variants, data, dtype, device) -> dict:
+    """Per variant: syncs per steady-state step and peak memory over plain's."""
+    out = {}
+    for v in variants:
+        train_step(v, data[0], dtype, device)  # steady state: every lazy init done
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for batch in data[1:]:
+                    train_step(v, batch, dtype, device)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        out[v.name] = {"syncs_per_step": syncs / (len(data) - 1),
+                       "peak_memory_mib": (torch.cuda.max_memory_allocated() - base) / 2**20 + base / 2**20}
+    plain = out["plain"]["peak_memory_mib"]
+    for name, row in out.items():
+        row["memory_overhead_fraction"] = row["peak_memory_mib"] / plain - 1.0
+    return out
+
+
+def _quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.size = args.size or ("gpt2" if args.device == "cuda" else "small")
+    result = measure(args)
+    print(f"{result['device']} ({result['dtype']}), {args.size}: {result['model']['parameters'] / 1e6:.1f} M "
+          f"parameters, batch {result['model']['batch']}x{result['model']['context']}, median of {args.steps} "
+          f"alternating steps")
+    print(f"{'variant':<24} {'median ms':>10} {'ratio':>7} {'bytes/step':>11} {'syncs/step':>11} {'mem +%':>7}")
+    for r in result["results"]:
+        print(f"{r['variant']:<24} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x "
+              f"{_fmt(r.get('bytes_per_step'), '{:,.0f}'):>11} {_fmt(r.get('syncs_per_step'), '{:.1f}'):>11} "
+              f"{_fmt(r.get('memory_overhead_fraction'), '{:+.1%}'):>7}")
+    for name, why in result["skipped_variants"].items():
+        print(f"(skipped {name}: {why})")
+    path = Path(args.json or f"benchmarks/results/overhead_{args.device}_{args.size}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else spec.format(value)
+
+
+if __name__ == "__main__":
+    main()
