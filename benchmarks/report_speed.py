@@ -1,4 +1,4 @@
-"""How fast `ampdoctor report` reads a long multi-rank run, and how much memory it takes.
+"""How fast `ampdoctor report` and `postmortem` read a long multi-rank run, and how much memory they take.
 
 Writes a synthetic run (valid segments of the real schema: step rows, and parameter-gradient rows
 with histograms, for several ranks), then runs the report in a fresh process per size and measures
@@ -115,18 +115,24 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank) -> pa.Table:
 _CHILD = """
 import json, resource, sys, time
 t = time.perf_counter()
-from ampdoctor.reports.summary import build_report
-from ampdoctor.reports.render import to_json
-report = build_report(sys.argv[1])
-to_json(report)
+from ampdoctor.reports import render
+if sys.argv[2] == "report":
+    from ampdoctor.reports.summary import build_report
+    data = build_report(sys.argv[1])
+    render.to_json(data)
+else:
+    from ampdoctor.reports.postmortem import postmortem
+    data = postmortem(sys.argv[1])
+    render.to_json(data)
 print(json.dumps({"seconds": time.perf_counter() - t,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "steps": report["run"]["steps"], "layers": len(report["layers"])}))
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def measure(path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True)
+def measure(path: Path, command: str) -> dict:
+    """``command`` (report or postmortem) on ``path`` in a fresh process: wall time, peak RSS."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), command], capture_output=True, text=True,
+                         check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -144,13 +150,14 @@ def main() -> None:
             steps = write_synthetic_run(path, rows, args.ranks)
             written = time.perf_counter() - t
             size = sum(f.stat().st_size for f in path.iterdir())
-            m = measure(path)
-            results.append({"rows": rows, "ranks": args.ranks, "steps": steps, "size_mib": size / 2**20,
-                            "write_seconds": written, **m})
-    print(f"{'rows':>12} {'ranks':>5} {'steps':>7} {'on disk':>9} {'report':>9} {'peak RSS':>10}")
+            for command in ("report", "postmortem"):
+                m = measure(path, command)
+                results.append({"command": command, "rows": rows, "ranks": args.ranks, "steps": steps,
+                                "size_mib": size / 2**20, "write_seconds": written, **m})
+    print(f"{'command':<11} {'rows':>12} {'ranks':>5} {'steps':>7} {'on disk':>9} {'time':>8} {'peak RSS':>10}")
     for r in results:
-        print(f"{r['rows']:>12,} {r['ranks']:>5} {r['steps']:>7} {r['size_mib']:>7.0f}Mi {r['seconds']:>8.1f}s "
-              f"{r['peak_rss_mib']:>8.0f}Mi")
+        print(f"{r['command']:<11} {r['rows']:>12,} {r['ranks']:>5} {r['steps']:>7} {r['size_mib']:>7.0f}Mi "
+              f"{r['seconds']:>7.1f}s {r['peak_rss_mib']:>8.0f}Mi")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"benchmark": "report_speed", "machine": platform.machine(),
                                            "cpus": os.cpu_count(), "python": platform.python_version(),
