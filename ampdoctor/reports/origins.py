@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from ..hooks import ROOT_NAME
+from ..run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
 
@@ -244,3 +245,32 @@ def _float(value) -> float | None:
     if value is None or value is pd.NA:
         return None
     return float(value)
+
+
+ORIGIN_COLUMNS = ["step", "rank", "kind", "name", "order", "dtype", "skipped", "loss", "amax", "n_nan", "n_inf",
+                  "call", "parent", "inputs"]
+
+
+def rows_at(run: Run, steps) -> pd.DataFrame:
+    """Every row of ``steps`` with the columns the origins need (names as plain strings)."""
+    frame = to_frame(run.table(ORIGIN_COLUMNS, steps=[int(s) for s in steps]))
+    for c in ("kind", "name", "dtype"):
+        frame[c] = frame[c].astype(str)
+    return frame
+
+
+def origin_counts(run: Run, steps) -> list[dict]:
+    """The origins of the anomalous steps among ``steps``, counted per (module, kind, rank), most
+    frequent first: the overflow origin, or the forward origin when the loss was non-finite."""
+    counts: dict[tuple, dict] = {}
+    for step in find_origins(rows_at(run, steps)) if len(steps) else []:
+        origin = step.overflow or step.forward
+        if origin is None:
+            continue
+        entry = counts.setdefault((origin.name, origin.kind, origin.rank), {
+            "name": origin.name, "kind": origin.kind, "rank": origin.rank, "count": 0,
+            "first_step": origin.step, "last_step": origin.step})
+        entry["count"] += 1
+        entry["first_step"] = min(entry["first_step"], origin.step)
+        entry["last_step"] = max(entry["last_step"], origin.step)
+    return sorted(counts.values(), key=lambda e: (-e["count"], e["first_step"], e["name"]))

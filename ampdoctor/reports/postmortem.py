@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from ..run import Run, to_frame
-from .origins import find_origins
+from .origins import find_origins, origin_counts, rows_at
 from .summary import Analysis, analyse
 
 SKIP_RUN = 5                 # skipped steps in a row (after start-up) that make an event
@@ -49,9 +49,6 @@ LARGE_ACTIVATION = 1 / 16    # of the format's max: activations that close are "
 
 CAUSES = ("forward_overflow", "backward_overflow", "nonfinite_input", "scale_collapse", "divergence",
           "nonfinite_weights", "unknown")
-
-_ROW_COLUMNS = ["step", "rank", "kind", "name", "order", "dtype", "skipped", "loss", "amax", "n_nan", "n_inf",
-                "call", "parent", "inputs"]
 
 
 @dataclass
@@ -106,10 +103,7 @@ def _param_rows(run: Run) -> pd.DataFrame:
 
 
 def _event_rows(run: Run, step: int) -> pd.DataFrame:
-    frame = to_frame(run.table(_ROW_COLUMNS, steps=[step]))
-    for c in ("kind", "name", "dtype"):
-        frame[c] = frame[c].astype(str)
-    return frame
+    return rows_at(run, [step])
 
 
 # -- the event ---------------------------------------------------------------------------------------
@@ -280,20 +274,7 @@ def _skipped_run_steps(steps: pd.DataFrame, start: int) -> list[int]:
 
 
 def _run_origins(run: Run, run_steps: list[int]) -> list[dict]:
-    if not run_steps:
-        return []
-    frame = to_frame(run.table(_ROW_COLUMNS, steps=run_steps[:200]))
-    for c in ("kind", "name", "dtype"):
-        frame[c] = frame[c].astype(str)
-    counts: dict[tuple, dict] = {}
-    for o in find_origins(frame):
-        chosen = o.overflow or o.forward
-        if chosen is None:
-            continue
-        e = counts.setdefault((chosen.name, chosen.kind, chosen.rank), {
-            "name": chosen.name, "kind": chosen.kind, "rank": chosen.rank, "count": 0, "first_step": o.step})
-        e["count"] += 1
-    return sorted(counts.values(), key=lambda e: (-e["count"], e["first_step"]))
+    return origin_counts(run, run_steps[:200])
 
 
 def _divergence(steps: pd.DataFrame, event_step: int) -> dict | None:

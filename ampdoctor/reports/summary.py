@@ -15,19 +15,16 @@ import numpy as np
 import pandas as pd
 
 from ..formats import FLOAT16, FloatFormat, float_format
-from ..run import Run, read_run, to_frame
+from ..run import Run, read_run
 from ..schema import HIST_BINS, HIST_MIN_EXP
 from .layers import LayerScan, layer_records, scan_layers, sort_layers
-from .origins import find_origins
+from .origins import origin_counts
 from .recommend import recommend
 from .simulate import (Replay, ScalerConfig, StepSeries, actual_outcome, attach_param_lost, load_steps, prepare,
                        recorded_config, replay)
 
 MAX_ORIGIN_STEPS = 2000   # anomalous steps whose rows are read for the origins (the first ones)
 HEATMAP_LAYERS = 40
-
-_ORIGIN_COLUMNS = ["step", "rank", "kind", "name", "order", "skipped", "loss", "amax", "n_nan", "n_inf", "call",
-                   "parent", "inputs"]
 
 
 @dataclass
@@ -108,21 +105,7 @@ def rank_origins(analysis: Analysis, warnings: list[str]) -> list[dict]:
     if len(anomalous) > MAX_ORIGIN_STEPS:
         warnings.append(f"origins are from the first {MAX_ORIGIN_STEPS} of {len(anomalous)} anomalous steps")
         anomalous = anomalous[:MAX_ORIGIN_STEPS]
-    frame = to_frame(analysis.run.table(_ORIGIN_COLUMNS, steps=anomalous.tolist()))
-    for c in ("kind", "name"):
-        frame[c] = frame[c].astype(str)
-    counts: dict[tuple, dict] = {}
-    for step in find_origins(frame):
-        origin = step.overflow or step.forward
-        if origin is None:
-            continue
-        key = (origin.name, origin.kind, origin.rank)
-        entry = counts.setdefault(key, {"name": origin.name, "kind": origin.kind, "rank": origin.rank, "count": 0,
-                                        "first_step": origin.step, "last_step": origin.step})
-        entry["count"] += 1
-        entry["first_step"] = min(entry["first_step"], origin.step)
-        entry["last_step"] = max(entry["last_step"], origin.step)
-    return sorted(counts.values(), key=lambda e: (-e["count"], e["first_step"], e["name"]))
+    return origin_counts(analysis.run, anomalous.tolist())
 
 
 def build_report(run: Run | str | os.PathLike) -> dict:
