@@ -191,6 +191,7 @@ class Recorder:
         self._loss: torch.Tensor | None = None
         self._params: list[ParamPeaks] = []      # this iteration's parameter checks, per optimizer
         self._params_checked: set[int] = set()
+        self._param_group_cache: dict[tuple, tuple[list, list]] = {}
         self._layouts = SlotLayouts()
         self._reported = False  # a failure has been warned about (or raised)
         self._sniff_handle = None
@@ -385,15 +386,27 @@ class Recorder:
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
         self._params_checked.add(id(optimizer))
-        groups: dict[tuple, tuple[list, list]] = {}
-        for name, p in self._named_params(optimizer):
-            names, tensors = groups.setdefault((p.device, p.dtype), ([], []))
-            names.append(name)
-            tensors.append(p.detach())
-        for (device, _), (names, tensors) in groups.items():
+        for names, numels, tensors in self._param_groups(optimizer):
             with torch.no_grad():
                 peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
-            self._params.append(ParamPeaks(names, [t.numel() for t in tensors], peaks))
+            self._params.append(ParamPeaks(names, numels, peaks))
+
+    def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
+        """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
+        parameters (the name lookups and grouping are not redone every step)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        key = (id(optimizer), len(params))
+        cached = self._param_group_cache.get(key)
+        if cached is not None and all(a is b for a, b in zip(cached[0], params)):
+            return cached[1]
+        groups: dict[tuple, tuple[list, list, list]] = {}
+        for name, p in self._named_params(optimizer):
+            names, numels, tensors = groups.setdefault((p.device, p.dtype), ([], [], []))
+            names.append(name)
+            numels.append(p.numel())
+            tensors.append(p)  # the parameter itself (read under no_grad): a later p.data = ... shows
+        self._param_group_cache[key] = (params, list(groups.values()))
+        return self._param_group_cache[key][1]
 
     def _named_params(self, optimizer: torch.optim.Optimizer):
         k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))

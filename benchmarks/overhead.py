@@ -32,56 +32,13 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampdoctor
+from ampdoctor.demo import TinyGPT  # causal attention via is_causal: no -inf mask that
+                                    # DebugUnderflowOverflow would abort on
 
 SIZES = {  # layers, d_model, heads, context, batch, vocab
     "small": (4, 256, 4, 128, 8, 512),
     "gpt2": (12, 768, 12, 1024, 8, 50257),
 }
-
-
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        # Causal via is_causal, not a mask argument: DebugUnderflowOverflow aborts on a -inf mask.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers: int, d: int, heads: int, context: int, vocab: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(context, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 @dataclass
@@ -100,7 +57,7 @@ def make_variants(names, size, device, workdir: Path, seed: int = 0) -> list[Var
     out = []
     for name in names:
         torch.manual_seed(seed)
-        model = GPT(layers, d, heads, context, vocab).to(device)
+        model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, context=context).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         path, hook = None, None
         if name.startswith("ampdoctor"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -21,47 +22,45 @@ def _clean(value):
     return value
 
 
-def report(data: dict, fmt: str, *, color: bool = False, top: int = 15) -> str:
+# (command, format) → (module, function); JSON is the same for every command.
+_RENDERERS = {
+    ("report", "text"): ("render_text", "report_text"),
+    ("report", "md"): ("render_markdown", "report_markdown"),
+    ("report", "html"): ("render_html", "report_html"),
+    ("simulate", "text"): ("render_text", "simulate_text"),
+    ("simulate", "md"): ("render_markdown", "simulate_markdown"),
+    ("layers", "text"): ("render_text", "layers_text"),
+    ("layers", "md"): ("render_markdown", "layers_markdown"),
+    ("postmortem", "text"): ("render_text", "postmortem_text"),
+    ("postmortem", "md"): ("render_markdown", "postmortem_markdown"),
+    ("postmortem", "html"): ("render_html", "postmortem_html"),
+}
+
+
+def _render(command: str, data: dict, fmt: str, **text_options) -> str:
+    """Renderers are imported on use (the HTML one pulls in matplotlib); ``text_options`` (colour,
+    rows shown) go to the terminal renderer only."""
     if fmt == "json":
         return to_json(data)
-    if fmt == "md":
-        from .render_markdown import report_markdown
-        return report_markdown(data)
-    if fmt == "html":
-        from .render_html import report_html
-        return report_html(data)
-    from .render_text import report_text
-    return report_text(data, color=color, top=top)
+    try:
+        module, name = _RENDERERS[(command, fmt)]
+    except KeyError:
+        raise ValueError(f"{command} has no {fmt!r} output") from None
+    renderer = getattr(importlib.import_module(f".{module}", __package__), name)
+    return renderer(data, **text_options) if fmt == "text" else renderer(data)
+
+
+def report(data: dict, fmt: str, *, color: bool = False, top: int = 15) -> str:
+    return _render("report", data, fmt, color=color, top=top)
 
 
 def simulate(data: dict, fmt: str) -> str:
-    if fmt == "json":
-        return to_json(data)
-    if fmt == "md":
-        from .render_markdown import simulate_markdown
-        return simulate_markdown(data)
-    from .render_text import simulate_text
-    return simulate_text(data)
+    return _render("simulate", data, fmt)
 
 
 def layers(data: dict, fmt: str) -> str:
-    if fmt == "json":
-        return to_json(data)
-    if fmt == "md":
-        from .render_markdown import layers_markdown
-        return layers_markdown(data)
-    from .render_text import layers_text
-    return layers_text(data)
+    return _render("layers", data, fmt)
 
 
 def postmortem(data: dict, fmt: str, *, color: bool = False) -> str:
-    if fmt == "json":
-        return to_json(data)
-    if fmt == "md":
-        from .render_markdown import postmortem_markdown
-        return postmortem_markdown(data)
-    if fmt == "html":
-        from .render_html import postmortem_html
-        return postmortem_html(data)
-    from .render_text import postmortem_text
-    return postmortem_text(data, color=color)
+    return _render("postmortem", data, fmt, color=color)

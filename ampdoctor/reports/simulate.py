@@ -282,7 +282,6 @@ class Outcome:
     margin_log2: float                     # the closest an applied step came to overflow, in binades
     steady_skipped: int | None = None      # skips in a second pass over the steps (replay(passes=2))
     trajectory: np.ndarray | None = None   # log2 scale per step (when asked for)
-    skipped: np.ndarray | None = None
 
     def to_dict(self, steps: int) -> dict:
         return {"config": self.config.to_dict(), "skipped_steps": self.skipped_steps,
@@ -320,7 +319,6 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
     smin, smax = log2s.copy(), log2s.copy()
     margin = np.full(c, np.inf)
     trajectory = np.empty((n, c)) if keep_trajectory else None
-    skip_matrix = np.empty((n, c), dtype=bool) if keep_trajectory else None
     critical, lower_bound = prepared.critical_log2, prepared.lower_bound
     recorded_log2 = np.log2(prepared.series.scale)
     numel, table = prepared.series.numel, prepared.underflow
@@ -332,7 +330,6 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
         if first:
             if trajectory is not None:
                 trajectory[t] = log2s
-                skip_matrix[t] = over
             smin = np.minimum(smin, log2s)
             smax = np.maximum(smax, log2s)
             if lower_bound[t]:
@@ -366,8 +363,7 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
         out.append(Outcome(cfg, int(skipped[j]), int(uncertain[j]), float(rate[j]), float(2.0 ** final[j]),
                            float(2.0 ** smin[j]), float(2.0 ** smax[j]), float(median[j]), float(margin[j]),
                            int(steady[j]) if passes > 1 else None,
-                           trajectory[:, j] if trajectory is not None else None,
-                           skip_matrix[:, j] if skip_matrix is not None else None))
+                           trajectory[:, j] if trajectory is not None else None))
     return out
 
 

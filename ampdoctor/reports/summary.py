@@ -21,7 +21,7 @@ from .layers import LayerScan, layer_records, scan_layers, sort_layers
 from .origins import origin_counts
 from .recommend import recommend
 from .simulate import (Replay, ScalerConfig, StepSeries, actual_outcome, attach_param_lost, load_steps, prepare,
-                       recorded_config, replay)
+                       recorded_config, replay, with_defaults)
 
 MAX_ORIGIN_STEPS = 2000   # anomalous steps whose rows are read for the origins (the first ones)
 HEATMAP_LAYERS = 40
@@ -227,9 +227,7 @@ def simulate_run(run: Run | str | os.PathLike, **settings) -> dict:
     if a.prepared is None or not len(a.series):
         from ..errors import RunError
         raise RunError(f"{a.run.path}: not enough data to simulate: the run has no step rows")
-    base = a.current or ScalerConfig()
-    changes = {k: v for k, v in settings.items() if v is not None}
-    config = ScalerConfig(**{**base.__dict__, **changes})
+    config = with_defaults(a.current, **settings)
     outcome = replay(a.prepared, [config], keep_trajectory=True)[0]
     n = len(a.series)
     result = {"config": config.to_dict(), "target_dtype": a.target.name, "steps": n}
