@@ -40,7 +40,8 @@ from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleFilter, ModuleTaps, is_compiled, unwrap_compiled
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
-from .stats import DeviceStats, HostStats, SlotLayouts, extremes, peak_magnitudes, tensor_stats, to_host
+from .stats import (DeviceStats, HostStats, LightStats, SlotLayouts, extremes, light_stats, peak_magnitudes,
+                    tensor_stats, to_host)
 from .writer import RunWriter, close_all_writers
 
 LEVELS = ("steps", "params", "full")
@@ -98,7 +99,7 @@ class GroupRecord:
     names: list[str]
     dtype: str
     numels: np.ndarray
-    stats: DeviceStats
+    stats: DeviceStats | LightStats   # full statistics on detailed steps, else light ones
 
 
 @dataclass
@@ -361,6 +362,7 @@ class Recorder:
         if id(optimizer) in self._observed:
             return
         self._observed.add(id(optimizer))
+        detailed = self._detailed_step()
         per_tensor = self._per_tensor_step()
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
@@ -372,24 +374,25 @@ class Recorder:
             tensors.append(grad)
         for (device, dtype), (names, tensors) in groups.items():
             inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
-            stats = tensor_stats(tensors, inv_scale=inv, subnormal_below=below, per_tensor=per_tensor,
-                                 hist_min_exp=self.options.hist_min_exp,
-                                 hist_bins=self.options.hist_bins, layouts=self._layouts)
+            if detailed:
+                stats = tensor_stats(tensors, inv_scale=inv, subnormal_below=below, per_tensor=per_tensor,
+                                     hist_min_exp=self.options.hist_min_exp,
+                                     hist_bins=self.options.hist_bins, layouts=self._layouts)
+            else:
+                stats = light_stats(tensors, inv_scale=inv)
             numels = np.array([t.numel() for t in tensors], dtype=np.int64)
             self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats))
 
     @_guarded
     def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer.step()``: each parameter's peak magnitude, one fused ``_foreach_norm``
-        (inf-norm; NaN and inf propagate) per (device, dtype). Kept on the device; the step's
-        largest rides in its scalars, so a non-finite parameter is an anomaly. Does not sync."""
+        """After ``optimizer.step()``: each parameter's peak magnitude (NaN and inf propagate),
+        light statistics per (device, dtype). Kept on the device; the step's largest rides in
+        its scalars, so a non-finite parameter is an anomaly. Does not sync."""
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
         self._params_checked.add(id(optimizer))
         for names, numels, tensors in self._param_groups(optimizer):
-            with torch.no_grad():
-                peaks = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
-            self._params.append(ParamPeaks(names, numels, peaks))
+            self._params.append(ParamPeaks(names, numels, light_stats(tensors, inv_scale=None).peaks))
 
     def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
         """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
@@ -487,7 +490,7 @@ class Recorder:
             light = LightStep(self.step, taps, peaks, None)
         on_device = scalars is not None and scalars.device.type != "cpu"
         tensors = [g.stats for g in record.groups] + [t.stats for t in record.taps]
-        if on_device or any(s.counts.device.type != "cpu" for s in tensors):
+        if on_device or any(s.device.type != "cpu" for s in tensors):
             record.scalars = to_host(scalars) if scalars is not None else None
             for item in (*record.groups, *record.taps):
                 item.stats = item.stats.to_host(non_blocking=True)
@@ -526,9 +529,14 @@ class Recorder:
         self._taps.remove()
         self._taps, self._tap_mode = None, None
 
+    def _detailed_step(self) -> bool:
+        """Whether this step gets the full statistics (counts, histograms, module statistics):
+        every ``every`` steps, and the ``escalate_steps`` after an anomaly."""
+        return self.step % self.options.every == 0 or self.step < self._escalate_until
+
     def _per_tensor_step(self) -> bool:
-        return ((self.options.level != "steps" and self.step % self.options.every == 0)
-                or self.step < self._escalate_until)
+        """Whether this step writes a row per parameter (else only the step row)."""
+        return self.options.level != "steps" or self.step < self._escalate_until
 
     def _plan_step(self) -> None:
         """Decide what the module taps record in the step about to start; (un)install them."""
@@ -623,7 +631,7 @@ class Recorder:
         if isinstance(record, FlightRecord):
             return [self._light_rows(s, record.rank) for s in record.steps], True
         scale, skipped, loss, param_peak = _read_scalars(record.scalars)
-        parts = [HostStats.from_device(g.stats) for g in record.groups]
+        parts = [HostStats.of(g.stats) for g in record.groups]
         if parts:
             merged = HostStats.concat(parts)
             total = merged.total()
@@ -648,7 +656,7 @@ class Recorder:
             blocks.append(_block(
                 **common, kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
                 dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps],
-                stats=_stat_columns(HostStats.concat([HostStats.from_device(t.stats) for t in taps])),
+                stats=_stat_columns(HostStats.concat([HostStats.of(t.stats) for t in taps])),
                 **_call_columns(taps)))
         if record.params is not None:
             blocks.append(_param_rows(record.params, common, float_format(record.amp_dtype).max))
@@ -666,10 +674,7 @@ class Recorder:
         grads = np.array([t.kind == "grad_output" for t in taps])
         with np.errstate(over="ignore", invalid="ignore"):
             amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
-        n = len(taps)
-        nulls = np.full(n, None, dtype=object)
-        stats = {"amax": amax, "amin": nulls, "l2": nulls, "n_zero": nulls, "n_subnormal": nulls,
-                 "n_nan": nulls, "n_inf": nulls, "hist": nulls}
+        stats = _light_columns(amax)
         return _block(step=light.step, rank=rank, scale=scale, skipped=skipped,
                       kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
                       dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps], stats=stats,
@@ -708,10 +713,8 @@ def _param_rows(params: ParamPeaks, common: dict, amp_max: float) -> tuple[dict[
     numels = [int(sum(params.numels))] + [params.numels[i] for i in bad]
     amax = np.concatenate([[total], peaks[bad]]).astype(np.float32)
     n = len(names)
-    nulls = np.full(n, None, dtype=object)
-    stats = {"amax": amax, "amin": nulls, "l2": nulls, "n_zero": nulls, "n_subnormal": nulls,
-             "n_nan": nulls, "n_inf": nulls, "hist": nulls}
-    return _block(**common, kinds=["param"] * n, names=names, dtypes=["float32"] * n, numels=numels, stats=stats)
+    return _block(**common, kinds=["param"] * n, names=names, dtypes=["float32"] * n, numels=numels,
+                  stats=_light_columns(amax))
 
 
 def _objects(n: int, values=None) -> np.ndarray:
@@ -723,7 +726,17 @@ def _objects(n: int, values=None) -> np.ndarray:
     return out
 
 
+def _light_columns(amax: np.ndarray, l2: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The statistics columns of light rows: the peak magnitude as ``amax`` (NaN or inf when the
+    tensor held one), the norm where measured; the rest null."""
+    nulls = np.full(len(amax), None, dtype=object)
+    return {"amax": amax, "amin": nulls, "l2": nulls if l2 is None else l2, "n_zero": nulls,
+            "n_subnormal": nulls, "n_nan": nulls, "n_inf": nulls, "hist": nulls}
+
+
 def _stat_columns(s: HostStats) -> dict[str, np.ndarray]:
+    if s.light:
+        return _light_columns(s.amax, s.l2)
     return {"amax": s.amax, "amin": s.amin, "l2": s.l2, "n_zero": s.n_zero,
             "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf, "hist": s.hist}
 

@@ -1,27 +1,35 @@
-"""On-device statistics of a list of tensors: one grouped pass, no host-device sync.
+"""On-device statistics of a list of tensors, with no host-device sync.
 
-For each *slot* (one tensor, or all tensors together when ``per_tensor=False``) it computes, in
-the units of DESIGN.md:
+Two kinds, in the units of DESIGN.md:
+
+*Light* statistics (:func:`light_stats`, every step): per tensor its peak magnitude and its L2
+norm, unscaled. A NaN or inf element makes the peak NaN or inf, so they also see every non-finite
+gradient. A handful of fused reductions (no elementwise temporaries): cheap enough for every step.
+
+*Full* statistics (:func:`tensor_stats`, on sampled steps), for each *slot* (one tensor, or all
+tensors together when ``per_tensor=False``):
 
 * ``amax``  largest finite magnitude, unscaled (0 when there is none);
 * ``amin``  smallest nonzero finite magnitude, unscaled (NaN when there is none);
 * ``l2``    L2 norm of the finite elements, unscaled (accumulated in float64);
-* ``n_zero, n_subnormal, n_nan, n_inf``; zero and subnormal are judged on the *scaled* value
-  (subnormal: below the smallest normal of the AMP format), i.e. as backward produced it;
+* ``n_zero, n_subnormal`` judged on the *scaled* value, as backward produced it (subnormal: below
+  the smallest normal of the AMP format); ``n_nan, n_inf`` judged on the unscaled value (a finite
+  value that a scale below 1 overflows on unscaling reaches the optimizer as inf);
 * ``hist``  counts of nonzero finite elements per binade of the unscaled magnitude; magnitudes
   below ``2**hist_min_exp`` (even those that flush to 0 when unscaled in fp32) go to bin 0.
 
 How: tensors of one (device, dtype) group are flattened into chunks of at most ``CHUNK_ELEMENTS``
-elements. Every element gets one integer *code* (its binade, shifted by ``bins`` when subnormal,
-or one of three codes for zero / NaN / inf) and a single scatter-add counts codes per slot, so all
-the counts and the histogram cost one launch per chunk. Magnitudes are compared as IEEE bit
-patterns (order-preserving for non-negative floats), which makes max/min exact and gives the
-binade from the exponent field without a log. Nothing here calls ``.item()``, boolean indexing or any other
-op whose output size depends on data, so on CUDA it queues kernels and returns (no sync).
+elements. Each element's unscaled float32 bit pattern gives, shifted right by 22, one integer
+*code*: its exponent field and the top mantissa bit (which tells a quiet NaN from inf), so a single
+bincount per slot yields the histogram and the NaN and inf counts; the binades are mapped onto
+histogram bins on the host. Magnitudes are compared as IEEE bit patterns (order-preserving for
+non-negative floats), which makes max/min exact. Nothing here calls ``.item()``, boolean indexing
+or any other op whose output size depends on data, so on CUDA it queues kernels and returns.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,21 +38,30 @@ import torch
 
 from .schema import HIST_BINS, HIST_MIN_EXP
 
-CHUNK_ELEMENTS = 1 << 22  # bounds the temporaries: ~20 bytes per element of the chunk
+CHUNK_ELEMENTS = 1 << 22  # bounds the temporaries: ~16 bytes per element of the chunk
 
 _ABS_MASK = 0x7FFFFFFF
-_NONE_BITS = 0x7FFFFFFF  # "no nonzero element" for amin: a NaN pattern, above every magnitude
+_INF_BITS = 0x7F800000
+_CODES = 512              # float32 bits >> 22: exponent field (256) x top mantissa bit (2)
+_STRIDE = _CODES + 2      # per slot: the codes, then n_zero, then n_below_normal (zeros included)
+_NO_AMIN = 0x7F7FFFFF     # amin is kept as (bits - 1) & _ABS_MASK: zero and non-finite land at or above this
 
 
 @dataclass
 class DeviceStats:
-    """Raw per-slot results, still on the device (or the host buffers they were copied into)."""
+    """Raw per-slot results of :func:`tensor_stats`, still on the device (or the host buffers
+    they were copied into)."""
 
-    counts: torch.Tensor     # int64 [slots * (2 * bins + 3)]: binade codes, see _codes()
+    counts: torch.Tensor     # int64 [slots * _STRIDE]: codes, n_zero, n_below_normal
     amax_bits: torch.Tensor  # int32 [slots]: float32 bit pattern of the largest finite magnitude
-    amin_bits: torch.Tensor  # int32 [slots]: bit pattern of the smallest nonzero (NaN: none)
+    amin_code: torch.Tensor  # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
     sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values
+    hist_min_exp: int
     bins: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
 
     def to_host(self, non_blocking: bool) -> "DeviceStats":
         """Copy into (pinned, when the source is on an accelerator) host buffers. Does not sync
@@ -52,7 +69,24 @@ class DeviceStats:
         if self.counts.device.type == "cpu":
             return self
         return DeviceStats(*(to_host(t, non_blocking) for t in
-                             (self.counts, self.amax_bits, self.amin_bits, self.sumsq)), self.bins)
+                             (self.counts, self.amax_bits, self.amin_code, self.sumsq)),
+                           self.hist_min_exp, self.bins)
+
+
+@dataclass
+class LightStats:
+    """Per-tensor peak magnitude and L2 norm, unscaled (NaN/inf when the tensor held one), on
+    the device until copied."""
+
+    peaks: torch.Tensor      # float32 [tensors]
+    norms: torch.Tensor      # float32 [tensors]
+
+    @property
+    def device(self) -> torch.device:
+        return self.peaks.device
+
+    def to_host(self, non_blocking: bool) -> "LightStats":
+        return LightStats(to_host(self.peaks, non_blocking), to_host(self.norms, non_blocking))
 
 
 def to_host(t: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
@@ -79,24 +113,53 @@ class HostStats:
     hist: np.ndarray         # int32 [slots, bins]
 
     @classmethod
+    def of(cls, raw: "DeviceStats | LightStats") -> "HostStats":
+        return cls.from_light(raw) if isinstance(raw, LightStats) else cls.from_device(raw)
+
+    @classmethod
     def from_device(cls, raw: DeviceStats) -> "HostStats":
-        bins = raw.bins
-        counts = raw.counts.numpy().reshape(-1, 2 * bins + 3)
-        amax = raw.amax_bits.numpy().view(np.float32).copy()
-        amin = raw.amin_bits.numpy().view(np.float32).copy()  # _NONE_BITS reads as NaN
+        counts = raw.counts.numpy().reshape(-1, _STRIDE)
+        codes = counts[:, :_CODES].reshape(-1, 256, 2)            # [slot, exponent field, mantissa bit]
+        n_zero = counts[:, _CODES].copy()
+        finite = codes[:, :255].sum(axis=2)                        # per exponent field
+        finite[:, 0] -= n_zero                                     # zeros are exponent 0, not a binade
+        amin_code = raw.amin_code.numpy()
+        amin = np.where(amin_code >= _NO_AMIN, np.int32(0x7FC00000), amin_code + 1).astype(np.int32)
         return cls(
-            amax=amax,
-            amin=amin,
+            amax=raw.amax_bits.numpy().view(np.float32).copy(),
+            amin=amin.view(np.float32),
             l2=_to_float32(np.sqrt(raw.sumsq.numpy())),
-            n_zero=counts[:, 2 * bins].copy(),
-            n_subnormal=counts[:, bins:2 * bins].sum(axis=1),
-            n_nan=counts[:, 2 * bins + 1].copy(),
-            n_inf=counts[:, 2 * bins + 2].copy(),
-            hist=(counts[:, :bins] + counts[:, bins:2 * bins]).astype(np.int32),
+            n_zero=n_zero,
+            n_subnormal=counts[:, _CODES + 1] - n_zero,
+            n_nan=codes[:, 255, 1].copy(),
+            n_inf=codes[:, 255, 0].copy(),
+            hist=(finite @ _binade_to_bin(raw.hist_min_exp, raw.bins)).astype(np.int32),
         )
+
+    @classmethod
+    def from_light(cls, raw: LightStats) -> "HostStats":
+        """Light statistics as rows: ``amax`` is the peak (NaN/inf when the tensor held one),
+        ``l2`` the norm; the rest is unknown (NaN here, null in the run file)."""
+        peaks = raw.peaks.numpy().astype(np.float32)
+        n = len(peaks)
+        unknown = np.full(n, np.nan)
+        return cls(amax=peaks, amin=np.full(n, np.nan, np.float32), l2=raw.norms.numpy().astype(np.float32),
+                   n_zero=unknown, n_subnormal=unknown, n_nan=unknown, n_inf=unknown,
+                   hist=np.zeros((n, 0), np.int32))
+
+    @property
+    def light(self) -> bool:
+        return self.hist.shape[1] == 0
 
     def total(self) -> "HostStats":
         """All slots combined into one (for step rows)."""
+        if self.light:
+            with np.errstate(invalid="ignore"):  # a NaN peak makes the total NaN, as it should
+                peak = self.amax.max(initial=0.0)
+            unknown = np.full(1, np.nan)
+            return HostStats(np.array([peak], np.float32), np.full(1, np.nan, np.float32),
+                             _to_float32(np.sqrt(np.square(self.l2.astype(np.float64)).sum(keepdims=True))),
+                             unknown, unknown, unknown, unknown, np.zeros((1, 0), np.int32))
         finite_min = self.amin[~np.isnan(self.amin)]
         return HostStats(
             amax=np.array([self.amax.max(initial=0.0)], dtype=np.float32),
@@ -111,6 +174,17 @@ class HostStats:
     def concat(parts: Sequence["HostStats"]) -> "HostStats":
         return HostStats(*(np.concatenate([getattr(p, f) for p in parts])
                            for f in HostStats.__dataclass_fields__))
+
+
+@functools.lru_cache(maxsize=16)
+def _binade_to_bin(min_exp: int, bins: int) -> np.ndarray:
+    """int64 [255, bins]: exponent field e (binade e - 127; e = 0 holds the float32 subnormals)
+    onto its histogram bin, clamped at both ends."""
+    index = np.clip(np.arange(255) - 127 - min_exp, 0, bins - 1)
+    index[0] = 0
+    out = np.zeros((255, bins), dtype=np.int64)
+    out[np.arange(255), index] = 1
+    return out
 
 
 def _to_float32(values: np.ndarray) -> np.ndarray:
@@ -144,6 +218,31 @@ class SlotLayouts:
 _DEFAULT_LAYOUTS = SlotLayouts()
 
 
+def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 ``[len(tensors)]``: ``max |x|`` of each tensor, inf if it held an inf (NaN is
+    made certain by the caller, from a norm). No sync. On CUDA one fused inf-norm; on the CPU,
+    where that kernel is ~15x slower than a vectorised min/max, one ``aminmax`` per tensor."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
+    return peak_magnitudes([extremes(t) for t in tensors], tensors[0].device)
+
+
+def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | None) -> LightStats:
+    """Peak magnitude and L2 norm of each tensor (one device), unscaled by ``inv_scale`` (0-dim
+    float32 on that device, or None). Two fused reductions per tensor and no temporaries the size
+    of the data: the every-step statistics. A NaN anywhere makes the tensor's peak NaN (from the
+    norm, which always propagates it). Does not sync."""
+    if not tensors:
+        raise ValueError("light_stats needs at least one tensor")
+    with torch.no_grad():
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        top = peaks(tensors)
+        top = torch.where(torch.isnan(norms), norms, top)
+        if inv_scale is not None:
+            top, norms = top * inv_scale, norms * inv_scale  # as torch's unscale_: fp32 products
+    return LightStats(top, norms)
+
+
 def tensor_stats(
     tensors: Sequence[torch.Tensor],
     *,
@@ -154,7 +253,7 @@ def tensor_stats(
     hist_bins: int = HIST_BINS,
     layouts: SlotLayouts | None = None,
 ) -> DeviceStats:
-    """Statistics of ``tensors`` (one device, one dtype; they hold *scaled* values).
+    """Full statistics of ``tensors`` (one device, one dtype; they hold *scaled* values).
 
     ``inv_scale`` is the 0-dim float32 reciprocal of the loss scale on the same device (None when
     scaling is off); ``subnormal_below`` is the AMP format's smallest normal. Does not sync.
@@ -164,23 +263,25 @@ def tensor_stats(
     device = tensors[0].device
     layouts = layouts or _DEFAULT_LAYOUTS
     n_slots = len(tensors) if per_tensor else 1
-    stride = 2 * hist_bins + 3
-    counts = torch.zeros(n_slots * stride, dtype=torch.int64, device=device)
+    counts = torch.zeros(n_slots * _STRIDE, dtype=torch.int64, device=device)
     amax_bits = torch.zeros(n_slots, dtype=torch.int32, device=device)
-    amin_bits = torch.full((n_slots,), _NONE_BITS, dtype=torch.int32, device=device)
+    amin_code = torch.full((n_slots,), _ABS_MASK, dtype=torch.int32, device=device)
     sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
+    if inv_scale is not None:
+        # A scale of 0 (collapsed) would make 0 * inf = NaN of every zero.
+        inv_scale = inv_scale.clamp(max=torch.finfo(torch.float32).max)
 
-    for views, segments in _chunks(tensors, per_tensor):
-        flat = views[0] if len(views) == 1 else torch.cat(views)
-        seg = None
-        if device.type != "cpu" and len(segments) > 1:
-            # On an accelerator, one grouped scatter per statistic instead of a launch per tensor.
-            slot_ids, lengths = layouts.get(device, tuple(s for s, _, _ in segments),
-                                            tuple(n for _, _, n in segments))
-            seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
-        _accumulate(flat, seg, segments, inv_scale, subnormal_below, hist_min_exp, hist_bins,
-                    counts, amax_bits, amin_bits, sumsq)
-    return DeviceStats(counts, amax_bits, amin_bits, sumsq, hist_bins)
+    with torch.no_grad():
+        for views, segments in _chunks(tensors, per_tensor):
+            flat = views[0] if len(views) == 1 else torch.cat(views)
+            seg = None
+            if device.type != "cpu" and len(segments) > 1:
+                # On an accelerator, one grouped scatter per statistic instead of a launch per tensor.
+                slot_ids, lengths = layouts.get(device, tuple(s for s, _, _ in segments),
+                                                tuple(n for _, _, n in segments))
+                seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
+            _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax_bits, amin_code, sumsq)
+    return DeviceStats(counts, amax_bits, amin_code, sumsq, hist_min_exp, hist_bins)
 
 
 def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
@@ -208,42 +309,40 @@ def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
         yield views, segments
 
 
-def _accumulate(flat, seg, segments, inv_scale, subnormal_below, min_exp, bins,
-                counts, amax_bits, amin_bits, sumsq) -> None:
-    stride = 2 * bins + 3
+def _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax_bits, amin_code, sumsq) -> None:
     scaled_abs = flat.abs()
     unscaled = scaled_abs.float() if scaled_abs.dtype != torch.float32 else scaled_abs
     if inv_scale is not None:
         unscaled = unscaled * inv_scale  # the same fp32 product torch's unscale_ computes
     bits = unscaled.view(torch.int32) & _ABS_MASK  # abs() may keep the sign of -NaN
-    # Classified as backward produced it (that is what makes torch skip a step); a finite scaled
-    # value can still overflow when unscaled by a scale below 1, and then its magnitude is inf.
-    finite = torch.isfinite(scaled_abs)
-
-    # Binade of the unscaled value from its exponent field. float32 subnormals (exponent field
-    # 0) land in bin 0 with the other tiny values, which the clamp puts there anyway.
-    code = ((bits >> 23) - (127 + min_exp)).clamp_(0, bins - 1)
-    code += (scaled_abs < subnormal_below).to(torch.int32) * bins
-    code = torch.where(finite, code, (2 * bins + 1) + torch.isinf(scaled_abs).to(torch.int32))
-    code = torch.where(scaled_abs == 0, 2 * bins, code)  # zero as backward produced it
-
-    finite_bits = torch.where(finite, bits, 0)
-    nonzero_bits = torch.where(finite & (bits != 0), bits, _NONE_BITS)
-    finite_values = torch.where(finite, unscaled, 0)
+    code = bits >> 22
+    finite_bits = torch.where(bits < _INF_BITS, bits, 0)
+    # (bits - 1) & mask: zero wraps to the top, non-finite stays above every finite nonzero.
+    nonzero_code = (bits - 1) & _ABS_MASK
+    finite_values = finite_bits.view(torch.float32)
 
     if seg is not None:
-        counts += _bincount(seg * stride + code, counts.numel())
+        base = seg * _STRIDE
+        ones = torch.ones(1, dtype=torch.int64, device=flat.device).expand_as(seg)
+        counts.index_add_(0, base + code, ones)
+        counts.index_add_(0, base + _CODES, (scaled_abs == 0).long())
+        counts.index_add_(0, base + (_CODES + 1),
+                          (scaled_abs < _threshold(subnormal_below, scaled_abs.dtype)).long())
         amax_bits.scatter_reduce_(0, seg, finite_bits, "amax")
-        amin_bits.scatter_reduce_(0, seg, nonzero_bits, "amin")
+        amin_code.scatter_reduce_(0, seg, nonzero_code, "amin")
         sumsq.index_add_(0, seg, finite_values.double().square())
         return
     # On the CPU (or a chunk of one slot) reductions over slices of the flat buffers are cheaper
     # than scatters: there is no launch overhead to amortise.
+    below = scaled_abs < _threshold(subnormal_below, scaled_abs.dtype)
     for slot, start, length in segments:
         part = slice(start, start + length)
-        counts[slot * stride:(slot + 1) * stride] += _bincount(code[part], stride)
+        base = slot * _STRIDE
+        counts[base:base + _CODES] += _bincount(code[part], _CODES)
+        counts[base + _CODES] += length - torch.count_nonzero(scaled_abs[part])
+        counts[base + _CODES + 1] += torch.count_nonzero(below[part])
         amax_bits[slot] = torch.maximum(amax_bits[slot], finite_bits[part].max())
-        amin_bits[slot] = torch.minimum(amin_bits[slot], nonzero_bits[part].min())
+        amin_code[slot] = torch.minimum(amin_code[slot], nonzero_code[part].min())
         # float64 accumulation without materialising a float64 copy
         sumsq[slot] += torch.linalg.vector_norm(finite_values[part], dtype=torch.float64).square()
 
@@ -260,6 +359,14 @@ def peak_magnitudes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: 
     held a NaN, else inf if it held an inf). A few launches for all pairs together; no sync."""
     values = torch.stack([v.to(device, non_blocking=True) for pair in pairs for v in pair])
     return values.to(torch.float32).view(-1, 2).abs().amax(dim=1)
+
+
+def _threshold(value: float, dtype: torch.dtype) -> float:
+    """``value`` for a comparison with a ``dtype`` tensor (which casts it to ``dtype``): at least
+    the smallest subnormal, so that a threshold below the format's range cannot round to 0 and
+    stop zeros from counting as below it."""
+    info = torch.finfo(dtype)
+    return max(value, info.tiny * info.eps)
 
 
 def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -342,23 +343,39 @@ def test_every_and_level(tmp_path):
         train("basic", recording(path, **options))
         return read_run(path).frame
 
+    def detailed_steps(frame, kind="param_grad"):
+        rows = frame[(frame.kind == kind) & frame.n_zero.notna()]
+        return set(rows.step)
+
     sampled = run(every=4, escalate_steps=0)
-    assert sorted(sampled.query("kind == 'param_grad'").step.unique()) == [0, 4, 8]
+    # Every step has a row per parameter; only every 4th has the full statistics.
+    assert set(sampled.query("kind == 'param_grad'").step) == set(range(STEPS))
+    assert detailed_steps(sampled) == detailed_steps(sampled, "step") == {0, 4, 8}
+    light = sampled[(sampled.kind == "param_grad") & sampled.n_zero.isna()]
+    assert light["hist"].isna().all() and light.amin.isna().all()
+    assert light[~light.skipped].l2.notna().all() and not np.isfinite(light[light.skipped].amax).all()
     assert (sampled.kind == "step").sum() == STEPS
-    # After a skipped step, the next escalate_steps steps get per-parameter rows too.
+    # After a skipped step, the next escalate_steps steps get the full statistics too.
     escalated = run(every=4, escalate_steps=2)
     frame = escalated.query("kind == 'step'")
     skipped = set(frame[frame.skipped].step)
     expected = {s for s in range(STEPS) if s % 4 == 0} | {s + k for s in skipped for k in (1, 2)}
-    assert skipped and set(escalated.query("kind == 'param_grad'").step) == expected & set(range(STEPS))
-    steps_only = run(level="steps", escalate_steps=0)
+    assert skipped and detailed_steps(escalated) == expected & set(range(STEPS))
+    steps_only = run(level="steps", every=1, escalate_steps=0)
     assert set(steps_only.kind) == {"step", "param"} and len(steps_only) == 2 * STEPS
     # The step row holds the whole model's gradient statistics at every level.
-    full = run()
+    full = run(every=1)
     a = full.query("kind == 'step'").set_index("step")
     b = steps_only.query("kind == 'step'").set_index("step")
     assert (a.numel == b.numel).all() and (a.n_zero == b.n_zero).all()
     assert (a.amax == b.amax).all()
+    # Light rows measure the same peak and norm as the full statistics of the same training.
+    full, sampled = (f.set_index(["step", "kind", "name"]) for f in (full, sampled))
+    good = a.index[~a.skipped]
+    rows = full.loc[(good, "param_grad", slice(None))]
+    same = sampled.loc[rows.index]
+    np.testing.assert_array_equal(same.amax.to_numpy(), rows.amax.to_numpy())
+    np.testing.assert_allclose(same.l2.to_numpy(), rows.l2.to_numpy(), rtol=1e-5)
 
 
 def test_loss_column_is_the_unscaled_loss(run_path):

@@ -24,12 +24,12 @@ def reference(x: torch.Tensor, scale: float, amp_format) -> dict:
     inv = np.float32(1.0 / scale)
     with np.errstate(over="ignore"):  # a scale below 1 can overflow a finite value, as in torch
         unscaled = (x.float().abs().numpy().ravel() * inv).astype(np.float64)
-    finite = np.isfinite(scaled)
+    # A finite value that a scale below 1 overflows on the unscale reaches the optimizer as inf.
+    finite = np.isfinite(unscaled)
     nonzero = finite & (unscaled > 0)
     hist = np.zeros(BINS, dtype=np.int64)
     for v in unscaled[finite & (scaled > 0)]:  # nonzero as backward produced it
-        # 0: flushed to zero by the unscale; inf: a scale below 1 overflowed it on the unscale
-        binade = MIN_EXP if v == 0 else MIN_EXP + BINS if math.isinf(v) else math.floor(math.log2(v))
+        binade = MIN_EXP if v == 0 else math.floor(math.log2(v))  # 0: flushed to zero by the unscale
         hist[min(max(binade - MIN_EXP, 0), BINS - 1)] += 1
     return {
         "amax": unscaled[finite].max(initial=0.0),
@@ -38,7 +38,7 @@ def reference(x: torch.Tensor, scale: float, amp_format) -> dict:
         "n_zero": int(np.sum(scaled == 0)),
         "n_subnormal": int(np.sum((scaled > 0) & (scaled < amp_format.smallest_normal))),
         "n_nan": int(np.sum(np.isnan(scaled))),
-        "n_inf": int(np.sum(np.isinf(scaled))),
+        "n_inf": int(np.sum(np.isinf(unscaled))),
         "hist": hist,
     }
 

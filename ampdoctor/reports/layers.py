@@ -1,8 +1,10 @@
 """Per-layer statistics over a whole run, in one streaming pass (bounded memory at any length).
 
 One *layer* is one (name, kind): a parameter's gradient (``param_grad``), a module's output
-gradient (``grad_output``) or a module's output (``output``). Only full rows count (light
-flight-recorder rows hold a peak and nothing else). Each row is judged in the format its values
+gradient (``grad_output``) or a module's output (``output``). The rates come from full rows
+(sampled steps); light rows (the peak and norm of the other steps, and the flight recorder's
+peaks) count for magnitudes, headroom and non-finite values; a layer seen only in light rows has
+no rates (NaN). Each row is judged in the format its values
 lived in during training: parameter gradients in the run's AMP format at the step's loss scale,
 module rows in their own dtype, gradients at the loss scale and activations unscaled.
 
@@ -72,7 +74,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
         steps = batch.filter(is_step)
         if steps.num_rows:
             step_rows.append(steps.select(STEP_COLUMNS))
-        rows = batch.filter(pc.and_(pc.invert(is_step), pc.is_valid(batch.column("n_zero"))))  # full rows only
+        rows = batch.filter(kind_mask(batch.column("kind"), list(LAYER_KINDS)))
         if rows.num_rows:
             acc.add(rows.select(_COLUMNS), amp, min_exp, bins, first_step, width)
     scan = acc.result(first_step, width)
@@ -153,11 +155,15 @@ class _Accumulator:
         scale = np.where(output, 1.0, col["scale"].astype(np.float64))
         scale = np.where(scale > 0, scale, np.nan)  # a collapsed scale of 0 judges nothing
         amax = col["amax"].astype(np.float64)
-        nonfinite = (col["n_nan"] + col["n_inf"]) > 0
+        # Light rows (counts null) carry the peak magnitude, non-finite when the tensor was: they
+        # count for magnitudes and non-finite values; the rates come from full rows only.
+        full = ~np.isnan(col["n_zero"].astype(np.float64))
+        nonfinite = ((col["n_nan"] + col["n_inf"]) > 0) | (~full & ~np.isfinite(amax))
         usable = ~nonfinite & np.isfinite(amax)
         with np.errstate(divide="ignore", invalid="ignore"):
             cut = np.log2(below / scale)
-            lost = lost_at_cutoff(hist, col["n_zero"], col["n_subnormal"], cut, min_exp)
+            lost = np.where(full, lost_at_cutoff(hist, np.nan_to_num(col["n_zero"]),
+                                                 np.nan_to_num(col["n_subnormal"]), cut, min_exp), 0.0)
             headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
             high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
                             -np.inf)
@@ -166,9 +172,10 @@ class _Accumulator:
             low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
         finite_amax = np.where(usable, amax, -np.inf)
         n = len(self.ids)
-        for i, values in enumerate((col["numel"], col["n_zero"], col["n_subnormal"], lost,
-                                    np.ones(len(layer)), nonfinite)):
-            self.sums[i, :n] += np.bincount(layer, weights=np.asarray(values, dtype=np.float64), minlength=n)
+        for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
+                                    full, nonfinite)):
+            values = np.nan_to_num(np.asarray(values, dtype=np.float64))
+            self.sums[i, :n] += np.bincount(layer, weights=values, minlength=n)
         np.maximum.at(self.amax, layer, finite_amax)
         amin = col["amin"].astype(np.float64)
         np.minimum.at(self.amin, layer, np.where(np.isnan(amin), np.inf, amin))
@@ -177,9 +184,10 @@ class _Accumulator:
         offset = col["step"] - first_step
         inside = (offset >= 0) & (offset < len(self.param_lost))
         p = param & inside
-        np.add.at(self.param_lost, offset[p], lost[p])
-        np.add.at(self.param_zero, offset[p], col["n_zero"][p])
-        self.param_seen[offset[p]] = True
+        pf = p & full
+        np.add.at(self.param_lost, offset[pf], lost[pf])
+        np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
+        self.param_seen[offset[pf]] = True
         g = (kind == "grad_output") & inside
         np.maximum.at(self.module_peak, offset[g], finite_amax[g])
         column = np.clip(offset // width, 0, self.columns - 1)
@@ -190,7 +198,7 @@ class _Accumulator:
         n = len(self.ids)
         keys = list(self.ids)
         sums = self.sums[:, :n]
-        numel = np.maximum(sums[0], 1)
+        numel = np.where(sums[4] > 0, np.maximum(sums[0], 1), np.nan)  # no full row: rates unknown
         layers = pd.DataFrame({
             "name": pd.Series([k[0] for k in keys], dtype=object),
             "kind": pd.Series([k[1] for k in keys], dtype=object),
@@ -268,8 +276,8 @@ def layer_records(layers: pd.DataFrame) -> list[dict]:
     """The ``layers`` entries of the JSON contract."""
     out = []
     for r in layers.itertuples(index=False):
-        out.append({"name": r.name, "kind": r.kind, "underflow_rate": float(r.underflow_rate),
-                    "zero_rate": float(r.zero_rate), "subnormal_rate": float(r.subnormal_rate),
+        out.append({"name": r.name, "kind": r.kind, "underflow_rate": _finite_or_none(r.underflow_rate),
+                    "zero_rate": _finite_or_none(r.zero_rate), "subnormal_rate": _finite_or_none(r.subnormal_rate),
                     "headroom_log2": _finite_or_none(r.headroom_log2), "amax": _finite_or_none(r.amax),
                     "amin": _finite_or_none(r.amin), "observations": int(r.observations),
                     "nonfinite": int(r.nonfinite)})

@@ -110,12 +110,13 @@ class StepSeries:
     loss: np.ndarray         # float64, NaN where none was recorded or it was non-finite
     loss_recorded: np.ndarray  # bool
     numel: np.ndarray        # float64, summed over ranks
-    n_zero: np.ndarray
-    n_subnormal: np.ndarray
+    n_zero: np.ndarray       # these three from the step's own full statistics, or, on a step
+    n_subnormal: np.ndarray  # without them, the nearest sampled step's (scaled to its numel)
     hist: np.ndarray         # float64 [steps, bins], summed over ranks
     ranks: int
     fmt: FloatFormat         # the format training ran in
     min_exp: int
+    sample_scale: np.ndarray | None = None   # per step: the scale n_zero/hist were measured at (default: scale)
     lost_fraction: np.ndarray | None = None  # per step: of the zeros, the share estimated lost to underflow
 
     def __len__(self) -> int:
@@ -123,13 +124,20 @@ class StepSeries:
 
     @property
     def recorded_cut_log2(self) -> np.ndarray:
-        return np.log2(self.fmt.underflow_below / self.scale)
+        """The underflow cut-off (true-gradient units) the zeros and histograms were measured at."""
+        scale = self.scale if self.sample_scale is None else self.sample_scale
+        return np.log2(self.fmt.underflow_below / scale)
+
+    def underflow_model(self) -> UnderflowModel:
+        if self.lost_fraction is not None:
+            at_cut = self.n_zero * self.lost_fraction
+        else:
+            at_cut = lost_at_cutoff(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2, self.min_exp)
+        return UnderflowModel(self.hist, self.recorded_cut_log2, at_cut, self.min_exp)
 
     def lost_at_recorded(self) -> np.ndarray:
         """Elements estimated lost to underflow at each step's recorded scale."""
-        if self.lost_fraction is not None:
-            return self.n_zero * self.lost_fraction
-        return lost_at_cutoff(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2, self.min_exp)
+        return self.underflow_model().lost(np.log2(self.fmt.underflow_below / self.scale))
 
 
 def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> StepSeries:
@@ -145,7 +153,11 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     frame["loss"] = loss
     frame["loss_recorded"] = recorded
     frame["forced"] = recorded & ~np.isfinite(loss)
-    frame["nonfinite"] = (frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)) > 0
+    light = frame["n_zero"].isna()  # peak and norm only: a non-finite gradient shows in the peak
+    frame["nonfinite"] = (((frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)) > 0)
+                          | (light & ~np.isfinite(frame["amax"])))
+    frame["sampled"] = ~light
+    frame["amax"] = frame["amax"].where(~light | np.isfinite(frame["amax"]))  # a non-finite peak is no magnitude
     frame["_row"] = np.arange(len(frame))
     frame = frame.sort_values(["step", "rank"], kind="stable")
     grouped = frame.groupby("step", sort=True)
@@ -153,7 +165,7 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
                       nonfinite=("nonfinite", "any"),
                       amax=("amax", "max"), l2=("l2", "max"), loss=("loss", "mean"),
                       loss_recorded=("loss_recorded", "any"), numel=("numel", "sum"),
-                      n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"))
+                      n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"), sampled=("sampled", "any"))
     codes = grouped.ngroup().to_numpy()
     merged_hist = np.zeros((len(agg), bins))
     np.add.at(merged_hist, codes, hist[frame["_row"].to_numpy()])
@@ -162,12 +174,25 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     # positive; ``recorded_scale`` keeps the 0 for display.
     scale = np.maximum(f64("scale"), 2.0**-149)
     amax = f64("amax")
+    numel, n_zero, n_subnormal = f64("numel"), np.nan_to_num(f64("n_zero")), np.nan_to_num(f64("n_subnormal"))
+    source = _nearest_sampled(agg["sampled"].to_numpy(bool))
+    ratio = np.divide(numel, numel[source], out=np.zeros(len(numel)), where=numel[source] > 0)
     return StepSeries(
         steps=agg.index.to_numpy(dtype=np.int64), scale=scale, recorded_scale=f64("scale"), skipped=agg["skipped"].to_numpy(bool),
         forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=f64("l2"),
-        loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=f64("numel"),
-        n_zero=np.nan_to_num(f64("n_zero")), n_subnormal=np.nan_to_num(f64("n_subnormal")), hist=merged_hist,
-        ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp)
+        loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=numel,
+        n_zero=n_zero[source] * ratio, n_subnormal=n_subnormal[source] * ratio, hist=merged_hist[source] * ratio[:, None],
+        ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source])
+
+
+def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
+    """For each step, the index of the step whose full statistics stand for it: itself when
+    sampled, else the nearest sampled step before it (after it, before the first sample)."""
+    index = pd.Series(np.where(sampled, np.arange(len(sampled)), np.nan))
+    filled = index.ffill().bfill()
+    if filled.isna().all():  # nothing sampled at all: every step stands for itself (all zeros)
+        return np.arange(len(sampled))
+    return filled.to_numpy().astype(np.int64)
 
 
 def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
@@ -261,7 +286,7 @@ def _neighbour_estimate(amax: np.ndarray, good: np.ndarray) -> np.ndarray:
 
 
 def _underflow_table(series: StepSeries, target: FloatFormat) -> np.ndarray:
-    model = UnderflowModel(series.hist, series.recorded_cut_log2, series.lost_at_recorded(), series.min_exp)
+    model = series.underflow_model()
     # Cut-off in the target format at each grid scale, in true-gradient units.
     cuts = np.log2(target.underflow_below) - GRID
     return model.lost(np.broadcast_to(cuts, (len(series), len(GRID))))
