@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Union
 import torch
 from torch import nn
 
-ROOT_NAME = "(model)"  # the name rows of the model itself carry (its qualified name is "")
+ROOT_NAME = "(model)"
+_WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # the name rows of the model itself carry (its qualified name is "")
 
 # Modules that only hold other modules: tapping them would repeat their last child's rows.
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -65,9 +66,29 @@ class TapSink(Protocol):
     def fail(self, exc: BaseException) -> None: ...
 
 
+# Modules that wrappers insert between a model and its submodules (FSDP1, activation
+# checkpointing, torch.compile): not part of the names users know their model by.
+_WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
 def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper (OptimizedModule) holds, or ``model`` itself."""
-    return getattr(model, "_orig_mod", model)
+    """The model inside ``torch.compile`` (OptimizedModule) and DistributedDataParallel
+    wrappers, or ``model`` itself: the module whose names are the user's."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif type(model).__name__ == "DistributedDataParallel" and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def clean_name(name: str) -> str:
+    """A parameter or module name without the wrapper levels of FSDP1, checkpoint wrappers and
+    ``torch.compile`` (``layers.0._fsdp_wrapped_module.fc.weight`` → ``layers.0.fc.weight``)."""
+    if not any(w in name for w in _WRAPPER_ATTRIBUTES):
+        return name
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRIBUTES)
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -86,8 +107,14 @@ def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple
     The model itself is named ``"(model)"``.
     """
     match = _matcher(modules)
-    return [(name or ROOT_NAME, m) for name, m in unwrap_compiled(model).named_modules()
-            if match(name or ROOT_NAME, m) and not isinstance(m, torch.jit.ScriptModule)]
+    out = []
+    for name, m in unwrap_compiled(model).named_modules():
+        name = clean_name(name) or ROOT_NAME
+        if type(m).__name__ in _WRAPPER_CLASSES or isinstance(m, torch.jit.ScriptModule):
+            continue  # a wrapper's output is its wrapped module's; TorchScript refuses hooks
+        if match(name, m):
+            out.append((name, m))
+    return out
 
 
 def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:

@@ -38,10 +38,10 @@ import torch
 from . import __version__
 from .errors import RecorderError
 from .formats import dtype_name, float_format
-from .hooks import ModuleCall, ModuleFilter, ModuleTaps, is_compiled, unwrap_compiled
+from .hooks import ModuleCall, ModuleFilter, ModuleTaps, clean_name, is_compiled, unwrap_compiled
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
 from .stats import (DeviceStats, HostStats, LightStats, SlotLayouts, extremes, light_stats, peak_magnitudes,
-                    tensor_stats, to_host)
+                    peaks, tensor_stats, to_host)
 from .writer import RunWriter, close_all_writers
 
 LEVELS = ("steps", "params", "full")
@@ -54,7 +54,7 @@ class RecordOptions:
 
     path: str | os.PathLike | None = None
     level: str = "params"
-    every: int = 1
+    every: int = 100
     strict: bool = False
     flush_every: int = 1000
     flush_seconds: float = 60.0
@@ -228,7 +228,7 @@ class Recorder:
         }
         if model is not None:
             inner = unwrap_compiled(model)
-            self._names = {id(p): n for n, p in inner.named_parameters()}
+            self._names = {id(p): clean_name(n) for n, p in inner.named_parameters()}
             if is_compiled(model):
                 if options.level == "full":
                     warnings.warn("ampdoctor: the model is compiled with torch.compile; module taps "
@@ -392,7 +392,7 @@ class Recorder:
             return
         self._params_checked.add(id(optimizer))
         for names, numels, tensors in self._param_groups(optimizer):
-            self._params.append(ParamPeaks(names, numels, light_stats(tensors, inv_scale=None).peaks))
+            self._params.append(ParamPeaks(names, numels, peaks(tensors)))
 
     def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
         """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
@@ -404,10 +404,11 @@ class Recorder:
             return cached[1]
         groups: dict[tuple, tuple[list, list, list]] = {}
         for name, p in self._named_params(optimizer):
-            names, numels, tensors = groups.setdefault((p.device, p.dtype), ([], [], []))
+            local = local_tensor(p)
+            names, numels, tensors = groups.setdefault((local.device, local.dtype), ([], [], []))
             names.append(name)
-            numels.append(p.numel())
-            tensors.append(p)  # the parameter itself (read under no_grad): a later p.data = ... shows
+            numels.append(local.numel())
+            tensors.append(local)  # the parameter itself (read under no_grad): a later p.data = ... shows
         self._param_group_cache[key] = (params, list(groups.values()))
         return self._param_group_cache[key][1]
 
@@ -424,10 +425,10 @@ class Recorder:
         whether there was one."""
         if not self._params:
             return torch.zeros((), device=device), 0.0
-        peaks = [p.peaks.to(device, non_blocking=True).max() for p in self._params if len(p.names)]
-        if not peaks:
+        tops = [p.peaks.to(device, non_blocking=True).max() for p in self._params if len(p.names)]
+        if not tops:
             return torch.zeros((), device=device), 0.0
-        return torch.stack(peaks).max(), 1.0
+        return torch.stack(tops).max(), 1.0
 
     def _named_grads(self, optimizer: torch.optim.Optimizer):
         k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))
@@ -437,6 +438,9 @@ class Recorder:
                 grad = p.grad
                 if grad is None:
                     continue
+                grad = local_tensor(grad)  # FSDP2: this rank's shard
+                if grad.numel() == 0:
+                    continue  # FSDP1: this rank holds no shard of the parameter
                 if grad.is_sparse:
                     # Observed through the stored values; coalesced so that duplicates are summed
                     # as the optimizer will see them (torch coalesces fp16 ones in unscale_ too).
@@ -484,10 +488,10 @@ class Recorder:
                             taps=taps if mode == "full" else [], params=_merge_params(self._params))
         light = None
         if mode == "light" and taps:
-            peaks = peak_magnitudes([t.stats for t in taps], taps[0].stats[0].device)
+            tops = peak_magnitudes([t.stats for t in taps], taps[0].stats[0].device)
             for t in taps:
                 t.stats = None
-            light = LightStep(self.step, taps, peaks, None)
+            light = LightStep(self.step, taps, tops, None)
         on_device = scalars is not None and scalars.device.type != "cpu"
         tensors = [g.stats for g in record.groups] + [t.stats for t in record.taps]
         if on_device or any(s.device.type != "cpu" for s in tensors):
@@ -679,6 +683,13 @@ class Recorder:
                       kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
                       dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps], stats=stats,
                       **_call_columns(taps))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP2 parameters and gradients;
+    reductions on the DTensor itself would be collectives), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
 
 
 def _read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None, float | None]:

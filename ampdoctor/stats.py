@@ -53,7 +53,7 @@ class DeviceStats:
     they were copied into)."""
 
     counts: torch.Tensor     # int64 [slots * _STRIDE]: codes, n_zero, n_below_normal
-    amax_bits: torch.Tensor  # int32 [slots]: float32 bit pattern of the largest finite magnitude
+    amax: torch.Tensor       # float32 [slots]: the largest finite magnitude
     amin_code: torch.Tensor  # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
     sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values
     hist_min_exp: int
@@ -69,7 +69,7 @@ class DeviceStats:
         if self.counts.device.type == "cpu":
             return self
         return DeviceStats(*(to_host(t, non_blocking) for t in
-                             (self.counts, self.amax_bits, self.amin_code, self.sumsq)),
+                             (self.counts, self.amax, self.amin_code, self.sumsq)),
                            self.hist_min_exp, self.bins)
 
 
@@ -126,7 +126,7 @@ class HostStats:
         amin_code = raw.amin_code.numpy()
         amin = np.where(amin_code >= _NO_AMIN, np.int32(0x7FC00000), amin_code + 1).astype(np.int32)
         return cls(
-            amax=raw.amax_bits.numpy().view(np.float32).copy(),
+            amax=raw.amax.numpy().copy(),
             amin=amin.view(np.float32),
             l2=_to_float32(np.sqrt(raw.sumsq.numpy())),
             n_zero=n_zero,
@@ -152,13 +152,16 @@ class HostStats:
         return self.hist.shape[1] == 0
 
     def total(self) -> "HostStats":
-        """All slots combined into one (for step rows)."""
+        """All slots combined into one (for step rows). Light: the peak over all slots (non-finite
+        if any slot was) and the norm over the slots that were finite (so a skipped step keeps a
+        lower bound of its gradient norm, as full statistics keep the norm of the finite elements)."""
         if self.light:
             with np.errstate(invalid="ignore"):  # a NaN peak makes the total NaN, as it should
                 peak = self.amax.max(initial=0.0)
+            norms = self.l2.astype(np.float64)
+            norm = np.sqrt(np.square(norms[np.isfinite(norms)]).sum(keepdims=True))
             unknown = np.full(1, np.nan)
-            return HostStats(np.array([peak], np.float32), np.full(1, np.nan, np.float32),
-                             _to_float32(np.sqrt(np.square(self.l2.astype(np.float64)).sum(keepdims=True))),
+            return HostStats(np.array([peak], np.float32), np.full(1, np.nan, np.float32), _to_float32(norm),
                              unknown, unknown, unknown, unknown, np.zeros((1, 0), np.int32))
         finite_min = self.amin[~np.isnan(self.amin)]
         return HostStats(
@@ -218,26 +221,34 @@ class SlotLayouts:
 _DEFAULT_LAYOUTS = SlotLayouts()
 
 
-def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float32 ``[len(tensors)]``: ``max |x|`` of each tensor, inf if it held an inf (NaN is
-    made certain by the caller, from a norm). No sync. On CUDA one fused inf-norm; on the CPU,
-    where that kernel is ~15x slower than a vectorised min/max, one ``aminmax`` per tensor."""
-    if tensors[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
-    return peak_magnitudes([extremes(t) for t in tensors], tensors[0].device)
+def peaks(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[len(tensors)]``: ``max |x|`` of each tensor (one device), NaN if it held a NaN,
+    else inf if it held an inf. No sync. On the CPU one ``aminmax`` per tensor (vectorised, and
+    NaN-propagating; the inf-norm kernel there is ~15x slower). On an accelerator one fused
+    inf-norm, with NaN made certain from the L2 norms (``norms``, computed if not given), which
+    always propagate it."""
+    with torch.no_grad():
+        if tensors[0].device.type == "cpu":
+            zero = torch.zeros((), dtype=tensors[0].dtype)
+            # An empty tensor (a rank holding no shard of a parameter) has peak 0.
+            return peak_magnitudes([extremes(t) if t.numel() else (zero, zero) for t in tensors],
+                                   tensors[0].device)
+        top = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
+        if norms is None:
+            norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        return torch.where(torch.isnan(norms), norms, top)
 
 
 def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | None) -> LightStats:
     """Peak magnitude and L2 norm of each tensor (one device), unscaled by ``inv_scale`` (0-dim
-    float32 on that device, or None). Two fused reductions per tensor and no temporaries the size
-    of the data: the every-step statistics. A NaN anywhere makes the tensor's peak NaN (from the
-    norm, which always propagates it). Does not sync."""
+    float32 on that device, or None). Fused reductions and no temporaries the size of the data:
+    the every-step statistics. The norm is accumulated in float32 (float64 costs 6x on the CPU),
+    so a tensor with elements beyond ~1.8e19 has an inf norm here. Does not sync."""
     if not tensors:
         raise ValueError("light_stats needs at least one tensor")
     with torch.no_grad():
         norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-        top = peaks(tensors)
-        top = torch.where(torch.isnan(norms), norms, top)
+        top = peaks(tensors, norms)
         if inv_scale is not None:
             top, norms = top * inv_scale, norms * inv_scale  # as torch's unscale_: fp32 products
     return LightStats(top, norms)
@@ -264,7 +275,7 @@ def tensor_stats(
     layouts = layouts or _DEFAULT_LAYOUTS
     n_slots = len(tensors) if per_tensor else 1
     counts = torch.zeros(n_slots * _STRIDE, dtype=torch.int64, device=device)
-    amax_bits = torch.zeros(n_slots, dtype=torch.int32, device=device)
+    amax = torch.zeros(n_slots, dtype=torch.float32, device=device)
     amin_code = torch.full((n_slots,), _ABS_MASK, dtype=torch.int32, device=device)
     sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
     if inv_scale is not None:
@@ -280,8 +291,8 @@ def tensor_stats(
                 slot_ids, lengths = layouts.get(device, tuple(s for s, _, _ in segments),
                                                 tuple(n for _, _, n in segments))
                 seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
-            _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax_bits, amin_code, sumsq)
-    return DeviceStats(counts, amax_bits, amin_code, sumsq, hist_min_exp, hist_bins)
+            _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, amin_code, sumsq)
+    return DeviceStats(counts, amax, amin_code, sumsq, hist_min_exp, hist_bins)
 
 
 def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
@@ -309,41 +320,40 @@ def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool):
         yield views, segments
 
 
-def _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax_bits, amin_code, sumsq) -> None:
+def _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, amin_code, sumsq) -> None:
     scaled_abs = flat.abs()
     unscaled = scaled_abs.float() if scaled_abs.dtype != torch.float32 else scaled_abs
     if inv_scale is not None:
         unscaled = unscaled * inv_scale  # the same fp32 product torch's unscale_ computes
     bits = unscaled.view(torch.int32) & _ABS_MASK  # abs() may keep the sign of -NaN
     code = bits >> 22
-    finite_bits = torch.where(bits < _INF_BITS, bits, 0)
+    finite_values = torch.nan_to_num(bits.view(torch.float32), nan=0.0, posinf=0.0)
     # (bits - 1) & mask: zero wraps to the top, non-finite stays above every finite nonzero.
     nonzero_code = (bits - 1) & _ABS_MASK
-    finite_values = finite_bits.view(torch.float32)
+    below = scaled_abs < _threshold(subnormal_below, scaled_abs.dtype)
 
     if seg is not None:
         base = seg * _STRIDE
         ones = torch.ones(1, dtype=torch.int64, device=flat.device).expand_as(seg)
         counts.index_add_(0, base + code, ones)
         counts.index_add_(0, base + _CODES, (scaled_abs == 0).long())
-        counts.index_add_(0, base + (_CODES + 1),
-                          (scaled_abs < _threshold(subnormal_below, scaled_abs.dtype)).long())
-        amax_bits.scatter_reduce_(0, seg, finite_bits, "amax")
+        counts.index_add_(0, base + (_CODES + 1), below.long())
+        amax.scatter_reduce_(0, seg, finite_values, "amax")
         amin_code.scatter_reduce_(0, seg, nonzero_code, "amin")
         sumsq.index_add_(0, seg, finite_values.double().square())
         return
     # On the CPU (or a chunk of one slot) reductions over slices of the flat buffers are cheaper
     # than scatters: there is no launch overhead to amortise.
-    below = scaled_abs < _threshold(subnormal_below, scaled_abs.dtype)
     for slot, start, length in segments:
         part = slice(start, start + length)
         base = slot * _STRIDE
         counts[base:base + _CODES] += _bincount(code[part], _CODES)
         counts[base + _CODES] += length - torch.count_nonzero(scaled_abs[part])
         counts[base + _CODES + 1] += torch.count_nonzero(below[part])
-        amax_bits[slot] = torch.maximum(amax_bits[slot], finite_bits[part].max())
+        amax[slot] = torch.maximum(amax[slot], finite_values[part].max())
         amin_code[slot] = torch.minimum(amin_code[slot], nonzero_code[part].min())
-        # float64 accumulation without materialising a float64 copy
+        # float64 accumulation without materialising a float64 copy (float32 would overflow
+        # beyond 1.8e19); this is the costliest reduction, and full statistics are sampled.
         sumsq[slot] += torch.linalg.vector_norm(finite_values[part], dtype=torch.float64).square()
 
 

@@ -2,8 +2,8 @@
 the tools people use today (transformers' DebugUnderflowOverflow, torch.autograd.detect_anomaly).
 
 Every variant trains its own copy of the same GPT-like model (same initial weights, same batches)
-in one process, one step each in turn (alternating, after warm-up), so that drift in clock speed or
-background load hits all of them alike. Reports the median step time and its ratio to plain, bytes
+in one process, one step each per round in a shuffled order (after warm-up), so that drift in clock
+speed or background load hits all of them alike. Reports the median step time and its ratio to plain, bytes
 written per step, and on CUDA the host-device syncs per step (``torch.cuda.set_sync_debug_mode``)
 and the extra GPU memory. Prints a table and writes JSON.
 
@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import tempfile
@@ -118,8 +119,10 @@ def measure(args) -> dict:
     times = {v.name: [] for v in variants}
     total = args.warmup + args.steps
     data = list(batches(args.size, device, total))
+    order = random.Random(0)
     for i, batch in enumerate(data):
-        for v in variants:
+        # A fresh order each round: no variant always runs right after another (cache state).
+        for v in order.sample(variants, len(variants)):
             _sync(device)
             t = time.perf_counter()
             train_step(v, batch, dtype, device)
@@ -135,12 +138,16 @@ def measure(args) -> dict:
         if v.hook is not None:
             with contextlib.suppress(Exception):
                 v.hook.remove_hooks() if hasattr(v.hook, "remove_hooks") else None
-    plain = statistics.median(times["plain"])
+    plain = statistics.fmean(times["plain"])
     results = []
     for v in variants:
-        med = statistics.median(times[v.name])
-        row = {"variant": v.name, "median_ms": 1e3 * med, "ratio": med / plain,
-               "p10_ratio": _quantile(times[v.name], 0.1) / _quantile(times["plain"], 0.1)}
+        mean = statistics.fmean(times[v.name])
+        # ratio: of mean step times, so that the sampled (detailed) steps count at their share;
+        # paired_ratio: the median over rounds of this variant's step over plain's in the same
+        # round, which is robust to drift and outliers but blind to the sampled steps.
+        paired = [t / p for t, p in zip(times[v.name], times["plain"])]
+        row = {"variant": v.name, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(times[v.name]),
+               "ratio": mean / plain, "paired_ratio": statistics.median(paired)}
         if v.path is not None:
             size = sum(f.stat().st_size for f in v.path.glob("*.parquet"))
             row["bytes_per_step"] = size / (total + len(extra and data[:8]))
@@ -183,11 +190,6 @@ def cuda_counts(variants, data, dtype, device) -> dict:
     return out
 
 
-def _quantile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -198,18 +200,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default=None)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100,
+                        help="measured steps per variant (a multiple of 50 includes the sampled steps at their share)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.size = args.size or ("gpt2" if args.device == "cuda" else "small")
     result = measure(args)
     print(f"{result['device']} ({result['dtype']}), {args.size}: {result['model']['parameters'] / 1e6:.1f} M "
-          f"parameters, batch {result['model']['batch']}x{result['model']['context']}, median of {args.steps} "
-          f"alternating steps")
-    print(f"{'variant':<24} {'median ms':>10} {'ratio':>7} {'bytes/step':>11} {'syncs/step':>11} {'mem +%':>7}")
+          f"parameters, batch {result['model']['batch']}x{result['model']['context']}, {args.steps} alternating "
+          f"steps after {args.warmup} of warm-up; ratio: of mean step times; paired: median of per-round ratios")
+    print(f"{'variant':<24} {'mean ms':>8} {'ratio':>7} {'paired':>7} {'bytes/step':>11} {'syncs/step':>11} "
+          f"{'mem +%':>7}")
     for r in result["results"]:
-        print(f"{r['variant']:<24} {r['median_ms']:>10.1f} {r['ratio']:>6.2f}x "
+        print(f"{r['variant']:<24} {r['mean_ms']:>8.1f} {r['ratio']:>6.3f}x {r['paired_ratio']:>6.3f}x "
               f"{_fmt(r.get('bytes_per_step'), '{:,.0f}'):>11} {_fmt(r.get('syncs_per_step'), '{:.1f}'):>11} "
               f"{_fmt(r.get('memory_overhead_fraction'), '{:+.1%}'):>7}")
     for name, why in result["skipped_variants"].items():

@@ -403,7 +403,7 @@ def test_interrupted_forward_leaves_no_stale_call_stack(run_path):
     model = WithHead(Interrupting())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = batches(4)
-    with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", **QUIET) as scaler:
+    with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", every=1, **QUIET) as scaler:
         for i, (x, y) in enumerate(data):
             model.body.interrupt = i == 1
             try:

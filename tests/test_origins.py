@@ -18,7 +18,7 @@ QUIET = dict(init_scale=2.0**10)  # no overflow of its own in these tiny models
 
 
 def record(model, path, *, before_step=None, data=None, **options) -> pd.DataFrame:
-    options = {"level": "full", **QUIET, **options}
+    options = {"level": "full", "every": 1, **QUIET, **options}
     with ampdoctor.GradScaler("cpu", model=model, path=path, **options) as scaler:
         fit(model, scaler, data or batches(STEPS, seed=0), before_step=before_step)
     return ampdoctor.load(path)

@@ -524,3 +524,19 @@ def test_large_fp32_activations_are_not_flagged_as_fp16_overflow(tmp_path):
     loud = [layer for layer in report["layers"] if layer["name"] == "loud" and layer["kind"] == "output"]
     assert loud and loud[0]["amax"] > 65504 and loud[0]["headroom_log2"] > 100  # judged in fp32
     assert not any("`loud`" in a for a in report["recommendation"]["advice"])
+
+
+def test_sampled_statistics_stand_in_for_the_steps_between(scenarios, tmp_path):
+    """The same training recorded with the full statistics at every step and with the default
+    sampling (every 50th step, and the steps after an anomaly): the estimates agree."""
+    for name in ("underflow", "init_too_high"):
+        _, _, sampled = scenarios[name]
+        dense_path = tmp_path / f"{name}.parquet"
+        train_recorded(dense_path, steps=STEPS, every=1, **SCENARIOS[name])
+        dense = build_report(dense_path)
+        a, b = dense["recommendation"], sampled["recommendation"]
+        assert a["init_scale"] == b["init_scale"], name
+        assert a["predicted"]["skipped_steps"] == b["predicted"]["skipped_steps"], name
+        assert math.isclose(a["current"]["underflow_rate"], b["current"]["underflow_rate"], rel_tol=0.25,
+                            abs_tol=1e-6), (name, a["current"], b["current"])
+        assert dense["scale"] == sampled["scale"]

@@ -48,7 +48,9 @@ def test_load_returns_frame_with_metadata(run_path):
     assert df.attrs["metadata"]["scaler.init_scale"] == "65536.0"
     steps = df[df.kind == "step"]
     assert steps.numel.iloc[0] == sum(p.numel() for p in MLP().parameters())
-    assert steps["hist"].map(len).eq(64).all()
+    detailed = steps[steps.n_zero.notna()]  # every 50th step by default, and step 0
+    assert list(detailed.step) == [0] and detailed["hist"].map(len).eq(64).all()
+    assert steps[steps.n_zero.isna()]["hist"].isna().all() and steps.l2.notna().all()
 
 
 def test_describe(run_path):

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from ampdoctor import stats as stats_module
 from ampdoctor.formats import BFLOAT16, FLOAT16, FLOAT32, float_format
-from ampdoctor.stats import HostStats, tensor_stats
+from ampdoctor.stats import HostStats, light_stats, peaks, tensor_stats
 
 MIN_EXP, BINS = -56, 64
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -140,3 +140,44 @@ def test_unscaled_statistics_without_a_scale():
 def test_empty_input_is_rejected():
     with pytest.raises(ValueError):
         tensor_stats([], inv_scale=None, subnormal_below=1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scaled_tensors())
+def test_light_stats_are_the_peak_and_norm(case):
+    """Peak magnitude (NaN if a NaN is held, else inf if an inf) and L2 norm, unscaled."""
+    tensors, scale, _ = case
+    inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
+    got = HostStats.of(light_stats(tensors, inv_scale=inv))
+    assert got.light and got.hist.shape == (len(tensors), 0)
+    for i, t in enumerate(tensors):
+        values = t.double().abs().numpy().ravel()
+        if np.isnan(values).any():
+            assert math.isnan(got.amax[i]) and math.isnan(got.l2[i])
+            continue
+        with np.errstate(over="ignore"):
+            peak = np.float32(np.float32(values.max()) * np.float32(inv))
+            norm = math.sqrt(float(np.sum(values ** 2))) * float(inv)
+        assert got.amax[i] == peak
+        if math.isinf(norm) or np.isinf(values).any() or values.max() > 1.8e19:  # float32 accumulation
+            assert math.isinf(got.l2[i])
+        else:
+            assert got.l2[i] == pytest.approx(norm, rel=1e-5, abs=1e-37)
+
+
+def test_light_total_keeps_a_lower_bound_of_the_norm():
+    """A step row of light statistics: the peak is non-finite when a tensor was, and the norm is
+    that of the finite tensors."""
+    tensors = [torch.tensor([3.0, -4.0]), torch.tensor([1.0, math.inf]), torch.tensor([0.0, 12.0])]
+    total = HostStats.of(light_stats(tensors, inv_scale=None)).total()
+    assert math.isinf(total.amax[0]) and total.l2[0] == pytest.approx(13.0)
+    tensors[1] = torch.tensor([math.nan, 1.0])
+    assert math.isnan(HostStats.of(light_stats(tensors, inv_scale=None)).total().amax[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_peaks_see_nan_and_inf(dtype):
+    tensors = [torch.tensor([1.0, -2.0, 0.5], dtype=dtype), torch.tensor([1.0, math.nan, -math.inf], dtype=dtype),
+               torch.tensor([-math.inf, 7.0], dtype=dtype)]
+    got = peaks(tensors)
+    assert got.dtype == torch.float32 and got[0] == 2.0 and torch.isnan(got[1]) and torch.isinf(got[2])

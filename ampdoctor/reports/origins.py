@@ -60,6 +60,7 @@ class StepOrigins:
     detail: str | None     # module rows at this step: "full", "light" (flight recorder) or None
     forward: Origin | None
     overflow: Origin | None
+    received: bool = False  # its non-finite gradients came from another rank (all-reduce): no origin here
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,8 +70,7 @@ def nonfinite_rows(frame: pd.DataFrame) -> pd.Series:
     """Whether each row saw a NaN or an inf (light rows: a non-finite peak magnitude)."""
     counts = frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)
     light = frame["n_nan"].isna()
-    amax = frame["amax"].astype(float)
-    return (counts > 0) | (light & ~np.isfinite(amax.fillna(0.0)))
+    return (counts > 0) | (light & ~np.isfinite(frame["amax"].astype(float)))
 
 
 def find_origins(frame: pd.DataFrame) -> list[StepOrigins]:
@@ -90,7 +90,21 @@ def find_origins(frame: pd.DataFrame) -> list[StepOrigins]:
         return []
     marked = frame.assign(_bad=bad)
     groups = marked[marked.set_index(["step", "rank"]).index.isin(list(keys))].groupby(["step", "rank"])
-    return [_step_origins(int(step), int(rank), rows) for (step, rank), rows in sorted(groups)]
+    return _across_ranks([_step_origins(int(step), int(rank), rows) for (step, rank), rows in sorted(groups)])
+
+
+def _across_ranks(origins: list[StepOrigins]) -> list[StepOrigins]:
+    """Module rows are local to a rank, parameter gradients are not: DDP all-reduces them in
+    backward, so an inf that starts on one rank reaches every rank's ``.grad``. Where at a step
+    some rank has a local origin (a module's output or output gradient), the ranks that only saw
+    non-finite parameter gradients received them: they are marked and name no origin."""
+    local_steps = {o.step for o in origins if o.forward is not None
+                   or (o.overflow is not None and o.overflow.kind != "param_grad")}
+    for o in origins:
+        if (o.step in local_steps and o.forward is None
+                and (o.overflow is None or o.overflow.kind == "param_grad")):
+            o.received, o.overflow = True, None
+    return origins
 
 
 def _step_origins(step: int, rank: int, rows: pd.DataFrame) -> StepOrigins:

@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from ..run import Run, to_frame
-from .origins import find_origins, origin_counts, rows_at
+from .origins import find_origins, nonfinite_rows, origin_counts, rows_at
 from .summary import Analysis, analyse
 
 SKIP_RUN = 5                 # skipped steps in a row (after start-up) that make an event
@@ -91,7 +91,7 @@ def _per_rank_steps(a: Analysis) -> pd.DataFrame:
     frame["loss_value"] = frame["loss"].astype("float64")  # NaN for null too
     frame["loss_recorded"] = frame["loss"].notna()
     frame["loss_bad"] = frame["loss_recorded"] & ~np.isfinite(frame["loss_value"])
-    frame["grads_bad"] = (frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)) > 0
+    frame["grads_bad"] = nonfinite_rows(frame)
     return frame.sort_values(["step", "rank"]).reset_index(drop=True)
 
 
@@ -325,7 +325,7 @@ def _activation_peaks(run: Run, steps: list[int], rank: int) -> dict[int, tuple[
     out = {}
     for step, rows in frame.groupby("step"):
         amax = rows["amax"].astype("float64")
-        bad = (rows["n_nan"].fillna(0) + rows["n_inf"].fillna(0) > 0) | ~np.isfinite(amax.fillna(0))
+        bad = nonfinite_rows(rows)
         if bad.any():
             r = rows[bad].iloc[0]
             out[int(step)] = (str(r["name"]), "non-finite")

@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from ..formats import FLOAT16, FloatFormat
 from .formatting import scale_str
+from .origins import nonfinite_rows
 from .underflow import UnderflowModel, lost_at_cutoff
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -154,8 +155,7 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     frame["loss_recorded"] = recorded
     frame["forced"] = recorded & ~np.isfinite(loss)
     light = frame["n_zero"].isna()  # peak and norm only: a non-finite gradient shows in the peak
-    frame["nonfinite"] = (((frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)) > 0)
-                          | (light & ~np.isfinite(frame["amax"])))
+    frame["nonfinite"] = nonfinite_rows(frame)
     frame["sampled"] = ~light
     frame["amax"] = frame["amax"].where(~light | np.isfinite(frame["amax"]))  # a non-finite peak is no magnitude
     frame["_row"] = np.arange(len(frame))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from ..formats import FLOAT16, FloatFormat, float_format
 from ..run import Run, read_run
@@ -108,6 +109,26 @@ def rank_origins(analysis: Analysis, warnings: list[str]) -> list[dict]:
     return origin_counts(analysis.run, anomalous.tolist())
 
 
+def rank_disagreement(step_rows: pa.Table) -> str | None:
+    """A warning when ranks skipped different steps, or None. Every rank's scaler must reach the
+    same ``found_inf``: DDP all-reduces the gradients and ShardedGradScaler all-reduces
+    ``found_inf``; a scaler that sees only its own gradients can skip a step the others take."""
+    if step_rows.num_rows == 0:
+        return None
+    frame = step_rows.select(["step", "rank", "skipped"]).to_pandas()
+    if frame["rank"].nunique() < 2:
+        return None
+    per_step = frame.groupby("step")["skipped"].agg(["any", "all"])
+    split = per_step.index[per_step["any"] & ~per_step["all"]]
+    if not len(split):
+        return None
+    return (f"ranks disagree on found_inf at {len(split)} step(s) (first: step {int(split[0])}): some ranks "
+            f"skipped the optimizer step and others did not, so their weights and loss scales diverge, and a "
+            f"collective inside step() can deadlock. Each rank's scaler saw only its own gradients: let DDP "
+            f"all-reduce the gradients before step(), or use ShardedGradScaler with FSDP, which all-reduces "
+            f"found_inf")
+
+
 def build_report(run: Run | str | os.PathLike) -> dict:
     """``ampdoctor report``'s data (DESIGN.md contract, plus ``missing`` and ``charts``)."""
     a = analyse(run)
@@ -124,6 +145,9 @@ def build_report(run: Run | str | os.PathLike) -> dict:
         missing["layers"] = ("not enough data: the run was recorded at level='steps' (no per-parameter rows); "
                              "record with level='params' (the default) or level='full'")
     origins = rank_origins(a, warnings) if len(a.series) else []
+    disagreement = rank_disagreement(a.scan.step_rows)
+    if disagreement:
+        warnings.append(disagreement)
     if scale and scale["skipped_steps"] and not origins:
         missing["overflow_origins"] = ("no origin could be named: the skipped steps have no module rows; record "
                                        "with level='full' (or keep escalate_steps > 0) to see where overflows start")
