@@ -93,7 +93,7 @@ def clean_name(name: str) -> str:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` is a ``torch.compile`` wrapper or contains a module compiled in place."""
-    if model is not unwrap_compiled(model):
+    if hasattr(model, "_orig_mod") or any(hasattr(m, "_orig_mod") for m in model.modules()):
         return True
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 

@@ -68,6 +68,7 @@ class RecordOptions:
     escalate_steps: int = 20
     scale_floor: float | None = 1.0
     check_params: bool = True
+    ranks: Any = None  # the ranks that record (an int or an iterable of ints); None: all
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -86,6 +87,15 @@ class RecordOptions:
             raise ValueError(f"flush_seconds must be > 0, got {self.flush_seconds!r}")
         if self.amp_dtype is not None:
             float_format(self.amp_dtype)  # ValueError for a non-float dtype
+        if self.ranks is not None:
+            ranks = (self.ranks,) if isinstance(self.ranks, int) else self.ranks
+            try:
+                ranks = tuple(ranks)
+            except TypeError:
+                raise TypeError(f"ranks must be an int, an iterable of ints or None, got {self.ranks!r}") from None
+            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+                raise ValueError(f"ranks must be non-negative ints, got {self.ranks!r}")
+            object.__setattr__(self, "ranks", ranks)
 
 
 def default_path() -> str:
@@ -177,7 +187,8 @@ class Recorder:
     """Collects one scaler's observations and feeds a :class:`RunWriter`."""
 
     def __init__(self, scaler: torch.amp.GradScaler, model: torch.nn.Module | None,
-                 options: RecordOptions, *, scaler_class: str, start_step: int = 0) -> None:
+                 options: RecordOptions, *, scaler_class: str, start_step: int = 0,
+                 run_id: str | None = None) -> None:
         if options.level == "full" and model is None:
             raise ValueError("level='full' needs model=: the module taps are installed on it")
         self.options = options
@@ -215,7 +226,7 @@ class Recorder:
         self._below_floor = False
         self._last_anomaly = -2                 # the last anomalous step (a run of them syncs once)
         self.rank, self.world_size = _rank_and_world(options.rank)
-        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
+        self.run_id = run_id or _env_run_id() or uuid.uuid4().hex
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._scaler_meta = {
             "scaler.class": scaler_class,
@@ -801,6 +812,41 @@ def _current_scale(scaler: torch.amp.GradScaler) -> float:
     if getattr(scaler, "_scale", None) is None:
         return float(scaler._init_scale)
     return float(scaler.get_scale())
+
+
+def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, options: RecordOptions, *,
+                 scaler_class: str, start_step: int = 0) -> Recorder | None:
+    """A :class:`Recorder` for this process, or None when its rank is not among ``options.ranks``.
+
+    Every rank of a run shares one ``run.id``: ``$AMPDOCTOR_RUN_ID`` or torchrun's
+    ``$TORCHELASTIC_RUN_ID`` when set, else rank 0's, broadcast. That broadcast is a collective:
+    with ``torch.distributed`` initialized (and no such variable), every rank must create its
+    scaler, recording or not. It happens once, at construction."""
+    rank, world_size = _rank_and_world(options.rank)
+    run_id = _shared_run_id(world_size)
+    if options.ranks is not None and rank not in options.ranks:
+        return None
+    return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
+
+
+def _env_run_id() -> str | None:
+    for key in ("AMPDOCTOR_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(key)
+        if value and value != "none":  # torchrun's default rendezvous id is "none"
+            return value
+    return None
+
+
+def _shared_run_id(world_size: int) -> str | None:
+    env = _env_run_id()
+    if env is not None:
+        return env
+    dist = torch.distributed
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return None
 
 
 def _rank_and_world(rank: int | None) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .recorder import Recorder, RecordOptions
+from .recorder import Recorder, RecordOptions, recorder_for
 
 _RECORDER = "_ampdoctor_recorder"
 _STEP_KEY = "ampdoctor.step"
@@ -136,8 +136,10 @@ class GradScaler(_Recording, torch.amp.GradScaler):
                  start_step: int = 0, **options: Any) -> None:
         record_options = RecordOptions(path=path, **options)  # validate before touching torch state
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
-        self.__dict__[_RECORDER] = Recorder(self, model, record_options,
-                                            scaler_class="ampdoctor.GradScaler", start_step=start_step)
+        recorder = recorder_for(self, model, record_options, scaler_class="ampdoctor.GradScaler",
+                                start_step=start_step)
+        if recorder is not None:  # None: a rank that does not record (``ranks=``)
+            self.__dict__[_RECORDER] = recorder
 
 
 GradScaler._ampdoctor_plain_class = GradScaler
@@ -169,8 +171,10 @@ def wrap(scaler: torch.amp.GradScaler, *, model: torch.nn.Module | None = None,
     record_options = RecordOptions(path=path, **options)
     plain = type(scaler)._ampdoctor_plain_class if isinstance(scaler, _Recording) else type(scaler)
     # The recorder first: if its arguments are wrong, the scaler is left untouched.
-    recorder = Recorder(scaler, model, record_options,
-                        scaler_class=f"{plain.__module__}.{plain.__qualname__}", start_step=start_step)
+    recorder = recorder_for(scaler, model, record_options,
+                            scaler_class=f"{plain.__module__}.{plain.__qualname__}", start_step=start_step)
+    if recorder is None:  # a rank that does not record (``ranks=``): the scaler stays as it is
+        return scaler
     if not isinstance(scaler, _Recording):
         scaler.__class__ = _recording_class(plain)
     scaler.__dict__[_RECORDER] = recorder

@@ -27,7 +27,7 @@ whose ``amax`` is the peak magnitude (NaN or inf when the tensor held one).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -100,11 +100,10 @@ def _across_ranks(origins: list[StepOrigins]) -> list[StepOrigins]:
     non-finite parameter gradients received them: they are marked and name no origin."""
     local_steps = {o.step for o in origins if o.forward is not None
                    or (o.overflow is not None and o.overflow.kind != "param_grad")}
-    for o in origins:
-        if (o.step in local_steps and o.forward is None
-                and (o.overflow is None or o.overflow.kind == "param_grad")):
-            o.received, o.overflow = True, None
-    return origins
+    return [replace(o, received=True, overflow=None)
+            if (o.step in local_steps and o.forward is None
+                and (o.overflow is None or o.overflow.kind == "param_grad")) else o
+            for o in origins]
 
 
 def _step_origins(step: int, rank: int, rows: pd.DataFrame) -> StepOrigins:
