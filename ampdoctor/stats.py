@@ -22,8 +22,9 @@ How: tensors of one (device, dtype) group are flattened into chunks of at most `
 elements. Each element's unscaled float32 bit pattern gives, shifted right by 22, one integer
 *code*: its exponent field and the top mantissa bit (which tells a quiet NaN from inf), so a single
 bincount per slot yields the histogram and the NaN and inf counts; the binades are mapped onto
-histogram bins on the host. Magnitudes are compared as IEEE bit patterns (order-preserving for
-non-negative floats), which makes max/min exact. Nothing here calls ``.item()``, boolean indexing
+histogram bins on the host. The smallest nonzero magnitude is found on bit patterns (order-
+preserving for non-negative floats; zero and non-finite values are shifted out of the way), the
+largest after non-finite values are replaced by 0: both exact. Nothing here calls ``.item()``, boolean indexing
 or any other op whose output size depends on data, so on CUDA it queues kernels and returns.
 """
 
