@@ -244,7 +244,7 @@ def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | No
     """Peak magnitude and L2 norm of each tensor (one device), unscaled by ``inv_scale`` (0-dim
     float32 on that device, or None). Fused reductions and no temporaries the size of the data:
     the every-step statistics. The norm is accumulated in float32 (float64 costs 6x on the CPU),
-    so a tensor with elements beyond ~1.8e19 has an inf norm here. Does not sync."""
+    so a tensor with elements beyond ~1.8e19 may get an inf norm here. Does not sync."""
     if not tensors:
         raise ValueError("light_stats needs at least one tensor")
     with torch.no_grad():

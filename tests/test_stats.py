@@ -159,8 +159,10 @@ def test_light_stats_are_the_peak_and_norm(case):
             peak = np.float32(np.float32(values.max()) * np.float32(inv))
             norm = math.sqrt(float(np.sum(values ** 2))) * float(inv)
         assert got.amax[i] == peak
-        if math.isinf(norm) or np.isinf(values).any() or values.max() > 1.8e19:  # float32 accumulation
+        if math.isinf(norm) or np.isinf(values).any():
             assert math.isinf(got.l2[i])
+        elif values.max() > 1.8e19:  # float32 accumulation may overflow (a lone element does not)
+            assert math.isinf(got.l2[i]) or got.l2[i] == pytest.approx(norm, rel=1e-5)
         else:
             assert got.l2[i] == pytest.approx(norm, rel=1e-5, abs=1e-37)
 
