@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Union
 import torch
 from torch import nn
 
-ROOT_NAME = "(model)"
-_WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # the name rows of the model itself carry (its qualified name is "")
+ROOT_NAME = "(model)"  # the name rows of the model itself carry (its qualified name is "")
+_WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # never tapped
 
 # Modules that only hold other modules: tapping them would repeat their last child's rows.
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -93,9 +93,8 @@ def clean_name(name: str) -> str:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` is a ``torch.compile`` wrapper or contains a module compiled in place."""
-    if hasattr(model, "_orig_mod") or any(hasattr(m, "_orig_mod") for m in model.modules()):
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
 
 
 def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple[str, nn.Module]]:

@@ -397,7 +397,7 @@ class Recorder:
     @_guarded
     def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()``: each parameter's peak magnitude (NaN and inf propagate),
-        light statistics per (device, dtype). Kept on the device; the step's largest rides in
+        :func:`~ampdoctor.stats.peaks` per (device, dtype). Kept on the device; the step's largest rides in
         its scalars, so a non-finite parameter is an anomaly. Does not sync."""
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return

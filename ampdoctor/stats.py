@@ -230,9 +230,8 @@ def peaks(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) ->
     always propagate it."""
     with torch.no_grad():
         if tensors[0].device.type == "cpu":
-            zero = torch.zeros((), dtype=tensors[0].dtype)
             # An empty tensor (a rank holding no shard of a parameter) has peak 0.
-            return peak_magnitudes([extremes(t) if t.numel() else (zero, zero) for t in tensors],
+            return peak_magnitudes([extremes(t) if t.numel() else (t.new_zeros(()),) * 2 for t in tensors],
                                    tensors[0].device)
         top = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
         if norms is None:
