@@ -10,6 +10,7 @@ import sys
 import click
 
 from . import __version__
+from .demo import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 from .errors import AmpdoctorError
 
 
@@ -158,39 +159,50 @@ def postmortem(run: str, fmt: str, output: str | None) -> None:
     _emit(render.postmortem(analyse_run(run), fmt, color=output is None and _color()), output)
 
 
-@main.command()
-@click.option("--out", "path", default="ampdoctor-demo.parquet", show_default=True,
-              type=click.Path(path_type=str), help="Run directory to write.")
+def _demo_help() -> str:
+    """The command's help, listing SCENARIOS (so that it cannot go stale); \b keeps the list's lines."""
+    names = "\n".join(f"  {name:<10} {s.description}" for name, s in SCENARIOS.items())
+    return ("Train a small transformer with fp16 AMP on synthetic data and record a run: healthy, or with "
+            "one problem for `ampdoctor report` (or `postmortem`) to explain. Scenarios:\n\n\b\n" + names)
+
+
+@main.command(help=_demo_help())
+@click.option("--scenario", type=click.Choice(list(SCENARIOS)), default="healthy", show_default=True,
+              help="What the run shows (listed above).")
+@click.option("--out", "path", default=DEFAULT_PATH, show_default=True,
+              type=click.Path(path_type=str), help="Run directory to write (replaces a demo run already there).")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
-              help="Training steps [default: 150 on the CPU, 500 on CUDA].")
+              help=f"Training steps [default: {CPU_STEPS} on the CPU, {CUDA_STEPS} on CUDA].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--report", "show_report", is_flag=True,
+              help="Then print what explains the run: the report (for --scenario nan, the postmortem).")
 @library_errors
-def demo(path: str, steps: int | None, device: str, seed: int) -> None:
-    """Train a small transformer with fp16 AMP on synthetic data and record a run."""
-    import os
-    import shutil
+def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, show_report: bool) -> None:
+    from .demo import clear_previous_run, default_steps, resolve_device, run_demo
 
-    from .demo import run_demo
-
-    if device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise CliError("--device cuda: CUDA is not available on this machine")
-    if os.path.isdir(path):
-        shutil.rmtree(path)  # the demo owns its output; a stale run would mix two runs
-    total = steps or (150 if device == "cpu" or not _cuda() else 500)
-    with click.progressbar(length=total, label="training", file=sys.stderr) as bar:
-        result = run_demo(path, steps=steps, device=None if device == "auto" else device,
-                          seed=seed, progress=bar.update)
-    click.echo(f"Trained {result.steps} steps on {result.device}: final loss {result.final_loss:.3f}, "
+    explained_by = SCENARIOS[scenario].explained_by
+    device = resolve_device(device)
+    clear_previous_run(path)  # run_demo does too; here, to refuse a bad --out before training starts
+    click.echo(f"Scenario {scenario}: {SCENARIOS[scenario].description}.")
+    with click.progressbar(length=steps or default_steps(device), label="training", file=sys.stderr) as bar:
+        result = run_demo(path, scenario=scenario, steps=steps, device=device, seed=seed, progress=bar.update)
+    fault = f" (weight blown up at step {result.fault_step})" if result.fault_step is not None else ""
+    click.echo(f"Trained {result.steps} steps on {result.device}{fault}: final loss {result.final_loss:.3f}, "
                f"final scale {result.final_scale:g}.")
-    click.echo(f"Wrote {result.path}. Read it with:\n  ampdoctor report {result.path}")
+    if not show_report:
+        click.echo(f"Wrote {result.path}. Read it with:\n  ampdoctor {explained_by} {result.path}")
+        return
+    from .reports import render
 
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
+    if explained_by == "postmortem":
+        from .reports.postmortem import postmortem as analyse_run
+        text = render.postmortem(analyse_run(result.path), "text", color=_color())
+    else:
+        from .reports.summary import build_report
+        text = render.report(build_report(result.path), "text", color=_color())
+    click.echo(f"Wrote {result.path}.\n")
+    click.echo(text)
 
 
 if __name__ == "__main__":  # pragma: no cover

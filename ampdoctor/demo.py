@@ -1,9 +1,12 @@
-"""The built-in demo: a small GPT-like transformer trained with fp16 AMP on synthetic data."""
+"""The built-in demo: a small GPT-like transformer trained with fp16 AMP on synthetic data, in one
+of a few scenarios that each show one problem the report or the postmortem explains."""
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -11,7 +14,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .errors import AmpdoctorError
+
 DEFAULT_PATH = "ampdoctor-demo.parquet"
+CPU_STEPS, CUDA_STEPS = 150, 500
+STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
+
+
+class DemoError(AmpdoctorError, ValueError):
+    """A demo that cannot run as asked: an unknown scenario, CUDA without a GPU, or an output path
+    that holds something other than a run."""
 
 
 class Block(nn.Module):
@@ -57,6 +69,34 @@ def synthetic_batch(gen: torch.Generator, batch: int, context: int, vocab: int, 
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """How the demo trains: scaler settings, a factor on the loss, and an optional fault."""
+
+    description: str
+    explained_by: str = "report"        # the command that explains the run: "report" or "postmortem"
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    loss_factor: float = 1.0            # multiplies the loss passed to scale()
+    level: str = "params"
+    fault_module: str | None = None     # a module whose weight a bad update blows up (see fault_step) ...
+    fault_peak: float = 0.0             # ... to this largest magnitude
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "healthy": Scenario("torch's default GradScaler settings: nothing to fix"),
+    "underflow": Scenario("loss * 1e-4, init_scale=1: small gradients underflow to zero in fp16",
+                          init_scale=1.0, loss_factor=1e-4),
+    # level="full": the flight recorder names where each overflow starts, the first one included.
+    "overflow": Scenario("init_scale=2**24, growth_interval=10: overflow after overflow",
+                         init_scale=2.0**24, growth_interval=10, level="full"),
+    # The weight stays within fp16's range (2**15 < 65504): its matmul's output is what overflows, so
+    # the postmortem names the module, not a parameter. level="full" records the module taps.
+    "nan": Scenario("near the end, blocks.1.mlp.0's weight blows up: fp16 overflow, NaN loss",
+                    explained_by="postmortem", level="full", fault_module="blocks.1.mlp.0", fault_peak=2.0**15),
+}
+
+
 @dataclass
 class DemoResult:
     path: str
@@ -64,35 +104,87 @@ class DemoResult:
     device: str
     final_loss: float
     final_scale: float
+    scenario: str = "healthy"
+    fault_step: int | None = None       # the first step with the blown-up weight: its loss is the first NaN
 
 
-def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, steps: int | None = None, device: str | None = None,
-             seed: int = 0, progress: Callable[[int], None] | None = None) -> DemoResult:
-    """Train the demo model with ``ampdoctor.GradScaler`` and write a run to ``path``.
+def resolve_device(device: str | None) -> str:
+    """``"cuda"`` when available and not asked otherwise, else ``"cpu"``; refuses CUDA without a GPU."""
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise DemoError(f"device {device!r}: CUDA is not available on this machine")
+    return device
+
+
+def default_steps(device: str) -> int:
+    return CPU_STEPS if device == "cpu" else CUDA_STEPS
+
+
+def fault_step(scenario: str, steps: int) -> int | None:
+    """The first step that trains with ``scenario``'s blown-up weight (None: no fault). The run goes
+    on for STEPS_AFTER_FAULT more steps, as a real run does until someone stops it."""
+    return max(0, steps - 1 - STEPS_AFTER_FAULT) if SCENARIOS[scenario].fault_module else None
+
+
+def clear_previous_run(path: str | os.PathLike) -> None:
+    """Remove the run a previous demo left at ``path`` (a scaler appends to an existing run, and two
+    runs would mix). Anything else there is left alone: a DemoError, not a deleted directory."""
+    if not os.path.lexists(path):
+        return
+    entries = os.listdir(path) if os.path.isdir(path) and not os.path.islink(path) else None
+    if entries is None or not all(_is_segment(name) for name in entries):
+        raise DemoError(f"{os.fspath(path)}: exists and is not an ampdoctor run; choose another output path")
+    shutil.rmtree(path)
+
+
+def _is_segment(name: str) -> bool:
+    return name.startswith(("part-", ".part-")) and name.endswith((".parquet", ".parquet.tmp"))
+
+
+def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy", steps: int | None = None,
+             device: str | None = None, seed: int = 0,
+             progress: Callable[[int], None] | None = None) -> DemoResult:
+    """Train the demo model with ``ampdoctor.GradScaler`` in ``scenario`` (a key of SCENARIOS) and
+    write a run to ``path``, replacing the run a previous demo wrote there.
 
     CUDA when available (fp16 autocast, a larger model), else the CPU (fp16 autocast, tiny model
-    so that it finishes in well under a minute). ``progress(n)`` is called after every step."""
+    so that it finishes in seconds). ``progress(n)`` is called after every step."""
     from .scaler import GradScaler
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cpu = device == "cpu"
-    steps = steps or (150 if cpu else 500)
+    if scenario not in SCENARIOS:
+        raise DemoError(f"unknown scenario {scenario!r}: choose one of {', '.join(SCENARIOS)}")
+    cfg = SCENARIOS[scenario]
+    device = resolve_device(device)
+    device_type = torch.device(device).type
+    cpu = device_type == "cpu"
+    steps = steps or default_steps(device)
+    fault_at = fault_step(scenario, steps)
+    clear_previous_run(path)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     vocab, context = 64, (16 if cpu else 128)
     model = TinyGPT(vocab=vocab, d=32 if cpu else 256, layers=2 if cpu else 4, heads=4,
                     context=context).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20))
     batch = 16 if cpu else 32
-    loss_value = math.nan
-    with GradScaler(device, model=model, path=path, amp_dtype=torch.float16) as scaler:
+    loss = torch.tensor(math.nan)
+    scaler = GradScaler(device_type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval, model=model,
+                        path=path, amp_dtype=torch.float16, level=cfg.level)
+    with scaler, warnings.catch_warnings():
+        # A step the scaler skips makes torch think the scheduler runs before the optimizer; it does not.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         for i in range(steps):
+            if i == fault_at:
+                weight = model.get_submodule(cfg.fault_module).weight
+                with torch.no_grad():
+                    weight.mul_(cfg.fault_peak / weight.abs().max())
             x, y = synthetic_batch(gen, batch, context, vocab, device)
-            with torch.autocast(device, dtype=torch.float16):
+            with torch.autocast(device_type, dtype=torch.float16):
                 logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
-            scaler.scale(loss).backward()
+            scaler.scale(loss * cfg.loss_factor).backward()
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
@@ -101,6 +193,6 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, steps: int | None = None
             schedule.step()
             if progress is not None:
                 progress(1)
-        loss_value = float(loss.detach())
         final_scale = scaler.get_scale()
-    return DemoResult(os.fspath(path), steps, device, loss_value, final_scale)
+    # The cross-entropy, before the scenario's loss factor: comparable across scenarios.
+    return DemoResult(os.fspath(path), steps, device, float(loss.detach()), final_scale, scenario, fault_at)

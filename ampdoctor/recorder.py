@@ -20,6 +20,7 @@ iteration, so by then the copy has landed.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import math
@@ -29,6 +30,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -67,7 +69,7 @@ class RecordOptions:
     flight_steps: int = 32
     escalate_steps: int = 20
     scale_floor: float | None = 1.0
-    check_params: bool = True
+    check_params: bool | str = True  # True: sampled steps, escalated steps and the end; "always"; False
     ranks: Any = None  # the ranks that record (an int or an iterable of ints); None: all
 
     def __post_init__(self) -> None:
@@ -87,6 +89,8 @@ class RecordOptions:
             raise ValueError(f"flush_seconds must be > 0, got {self.flush_seconds!r}")
         if self.amp_dtype is not None:
             float_format(self.amp_dtype)  # ValueError for a non-float dtype
+        if self.check_params not in (True, False, "always"):
+            raise ValueError(f"check_params must be True, False or 'always', got {self.check_params!r}")
         if self.ranks is not None:
             ranks = (self.ranks,) if isinstance(self.ranks, int) else self.ranks
             try:
@@ -147,6 +151,19 @@ class ParamPeaks:
 
 
 @dataclass
+class ParamRecord:
+    """A parameter check outside an iteration (at the end of the run): ``param`` rows only,
+    carrying the scale and skipped flag of ``step``, the step that left the parameters so."""
+
+    step: int
+    rank: int
+    amp_dtype: str
+    scalars: torch.Tensor             # host scalars of ``step`` (see StepRecord)
+    params: ParamPeaks
+    event: Any = None
+
+
+@dataclass
 class LightStep:
     """A step's module peaks in the flight recorder: ``peaks[i]`` belongs to ``taps[i]``
     (gradients still scaled by the step's scale)."""
@@ -203,6 +220,9 @@ class Recorder:
         self._loss: torch.Tensor | None = None
         self._params: list[ParamPeaks] = []      # this iteration's parameter checks, per optimizer
         self._params_checked: set[int] = set()
+        self._param_optimizers: weakref.WeakSet = weakref.WeakSet()  # for the check at the end
+        self._last_param_check = start_step - 1  # the last step whose parameters were checked
+        self._last_scalars: torch.Tensor | None = None  # host scalars of the last checked step
         self._param_group_cache: dict[tuple, tuple[list, list]] = {}
         self._layouts = SlotLayouts()
         self._reported = False  # a failure has been warned about (or raised)
@@ -228,6 +248,9 @@ class Recorder:
         self.rank, self.world_size = _rank_and_world(options.rank)
         self.run_id = run_id or _env_run_id() or uuid.uuid4().hex
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
+        # over skipped steps to the step that wrote it: check after every step.
+        self._params_every_step = options.check_params == "always" or not scaler.is_enabled()
         self._scaler_meta = {
             "scaler.class": scaler_class,
             "scaler.enabled": str(scaler.is_enabled()).lower(),
@@ -254,6 +277,7 @@ class Recorder:
             hist_bins=options.hist_bins, flush_every=options.flush_every,
             flush_seconds=options.flush_seconds, queue_size=options.queue_size)
         _install_sigterm_handler()
+        _open_recorders.add(self)
         self._check_path()
         self._plan_step()
 
@@ -279,10 +303,12 @@ class Recorder:
         if self.active:
             try:
                 self._check_anomalies(wait=True)
+                self._final_param_check()
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
         self._remove_hooks()
         self.active = False
+        _open_recorders.discard(self)
         self.writer.close()
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
@@ -397,13 +423,38 @@ class Recorder:
     @_guarded
     def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()``: each parameter's peak magnitude (NaN and inf propagate),
-        :func:`~ampdoctor.stats.peaks` per (device, dtype). Kept on the device; the step's largest rides in
-        its scalars, so a non-finite parameter is an anomaly. Does not sync."""
+        :func:`~ampdoctor.stats.peaks` per (device, dtype). Kept on the device; the step's largest
+        rides in its scalars, so a non-finite parameter is an anomaly. Does not sync.
+
+        With ``check_params=True`` this runs on detailed steps (sampled, and escalated after an
+        anomaly) and once more when the run closes; with ``"always"`` (or a disabled scaler)
+        after every step. Between checks a non-finite parameter still shows: the next forward's
+        loss is non-finite, the steps skip (parameters unchanged) and the escalated steps check
+        them; ``postmortem`` traces them back over the skipped steps to the step that wrote them."""
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
+        self._param_optimizers.add(optimizer)
+        if not (self._params_every_step or self._detailed_step()):
+            return
         self._params_checked.add(id(optimizer))
-        for names, numels, tensors in self._param_groups(optimizer):
-            self._params.append(ParamPeaks(names, numels, peaks(tensors)))
+        self._last_param_check = self.step
+        self._params.extend(self._check_params(optimizer))
+
+    def _check_params(self, optimizer: torch.optim.Optimizer) -> list[ParamPeaks]:
+        return [ParamPeaks(names, numels, peaks(tensors)) for names, numels, tensors in self._param_groups(optimizer)]
+
+    def _final_param_check(self) -> None:
+        """At the end of the run: check the parameters as the last step left them, unless that
+        step checked them already. Host-side, after training; waits for nothing."""
+        last = self.step - 1
+        if not self.options.check_params or last <= self._last_param_check or self._last_scalars is None:
+            return
+        parts = [p for opt in list(self._param_optimizers) for p in self._check_params(opt)]
+        params = _merge_params(parts)
+        if params is not None:
+            params.peaks = to_host(params.peaks)
+            self._last_param_check = last
+            self.writer.put(ParamRecord(last, self.rank, self.amp_dtype, self._last_scalars, params))
 
     def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
         """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
@@ -590,6 +641,8 @@ class Recorder:
                     break
             self._pending_checks.popleft()
             self._checked_until = step + 1
+            if scalars is not None:
+                self._last_scalars = scalars
             scale, skipped, loss, params = _read_scalars(scalars)
             floor = self.options.scale_floor
             below = floor is not None and scalars is not None and scale < floor
@@ -638,13 +691,18 @@ class Recorder:
             "run.id": self.run_id, "run.started": self.started,
         }
 
-    def _materialize(self, record: StepRecord | FlightRecord):
+    def _materialize(self, record: StepRecord | FlightRecord | ParamRecord):
         """Rows of one record, as ``([(columns, n_rows), ...], anomaly)``: a step row, one row
         per observed gradient, one per module observation; or a flight record's light rows."""
         if record.event is not None:
             record.event.synchronize()
         if isinstance(record, FlightRecord):
             return [self._light_rows(s, record.rank) for s in record.steps], True
+        if isinstance(record, ParamRecord):
+            scale, skipped, _, _ = _read_scalars(record.scalars)
+            common = dict(step=record.step, rank=record.rank, scale=scale, skipped=skipped)
+            block = _param_rows(record.params, common, float_format(record.amp_dtype).max)
+            return [block], not np.isfinite(block[0]["amax"][0])
         scale, skipped, loss, param_peak = _read_scalars(record.scalars)
         parts = [HostStats.of(g.stats) for g in record.groups]
         if parts:
@@ -858,6 +916,15 @@ def _rank_and_world(rank: int | None) -> tuple[int, int]:
 
 
 _sigterm_installed = False
+_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+
+
+@atexit.register  # registered after the writer module's handler, so it runs before it
+def _close_open_recorders() -> None:
+    """At interpreter exit (training is over, also after an exception): finish every open run
+    as ``close()`` would, final parameter check included."""
+    for recorder in list(_open_recorders):
+        recorder.close()
 
 
 def _install_sigterm_handler() -> None:

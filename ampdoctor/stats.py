@@ -250,11 +250,34 @@ def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | No
     if not tensors:
         raise ValueError("light_stats needs at least one tensor")
     with torch.no_grad():
-        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-        top = peaks(tensors, norms)
+        if tensors[0].device.type == "cpu":
+            norms, top = _cpu_light_stats(tensors)
+        else:
+            norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            top = peaks(tensors, norms)
         if inv_scale is not None:
             top, norms = top * inv_scale, norms * inv_scale  # as torch's unscale_: fp32 products
     return LightStats(top, norms)
+
+
+def _cpu_light_stats(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norms, peaks) on the CPU, one tensor at a time: its sum of squares, then its min/max,
+    so that the second read of a gradient (a few MB at most) comes from cache, not memory. A
+    float32 dot product is ~2.5x cheaper than ``vector_norm`` here; inf and NaN propagate."""
+    norms, pairs = [], []
+    for t in tensors:
+        if not t.numel():
+            zero = t.new_zeros((), dtype=torch.float32)
+            norms.append(zero)
+            pairs.append((zero, zero))
+            continue
+        if t.dtype == torch.float32 and t.is_contiguous():
+            flat = t.view(-1)
+            norms.append(torch.dot(flat, flat).sqrt())
+        else:  # a half-precision dot would overflow at 65504
+            norms.append(torch.linalg.vector_norm(t, dtype=torch.float32))
+        pairs.append(extremes(t))
+    return torch.stack(norms), peak_magnitudes(pairs, tensors[0].device)
 
 
 def tensor_stats(

@@ -3,8 +3,9 @@ the tools people use today (transformers' DebugUnderflowOverflow, torch.autograd
 
 Every variant trains its own copy of the same GPT-like model (same initial weights, same batches)
 in one process, one step each per round in a shuffled order (after warm-up), so that drift in clock
-speed or background load hits all of them alike. Reports the median step time and its ratio to plain, bytes
-written per step, and on CUDA the host-device syncs per step (``torch.cuda.set_sync_debug_mode``)
+speed or background load hits all of them alike; the rounds are split into blocks with freshly
+built variants, so that no variant keeps a lucky or unlucky memory placement. Reports the mean step
+time, its ratio to plain's and the median per-round ratio, bytes written per step, and on CUDA the host-device syncs per step (``torch.cuda.set_sync_debug_mode``)
 and the extra GPU memory. Prints a table and writes JSON.
 
     python benchmarks/overhead.py                         # CPU, bf16 autocast, small GPT
@@ -115,53 +116,63 @@ def measure(args) -> dict:
     except ImportError as exc:
         skipped_variants["hf-debug"] = f"transformers is not installed ({exc})"
     workdir = Path(tempfile.mkdtemp(prefix="ampdoctor-bench-"))
-    variants = make_variants(names, args.size, device, workdir)
-    times = {v.name: [] for v in variants}
-    total = args.warmup + args.steps
-    data = list(batches(args.size, device, total))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    written: dict[str, int] = {name: 0 for name in names}
+    recorded_steps = 0
     order = random.Random(0)
-    for i, batch in enumerate(data):
-        # A fresh order each round: no variant always runs right after another (cache state).
-        for v in order.sample(variants, len(variants)):
-            _sync(device)
-            t = time.perf_counter()
-            train_step(v, batch, dtype, device)
-            _sync(device)
-            if i >= args.warmup:
-                times[v.name].append(time.perf_counter() - t)
+    per_block = -(-args.steps // args.blocks)
+    if per_block % 100:
+        warnings.warn(f"{per_block} measured steps per block is not a multiple of 100: the sampled steps of "
+                      "every=100 are not counted at their share", RuntimeWarning)
     extra = {}
-    if device == "cuda":
-        extra = cuda_counts(variants, data[:8], dtype, device)
-    for v in variants:
-        if isinstance(v.scaler, ampdoctor.GradScaler):
-            v.scaler.close()
-        if v.hook is not None:
-            with contextlib.suppress(Exception):
-                v.hook.remove_hooks() if hasattr(v.hook, "remove_hooks") else None
+    for block in range(args.blocks):
+        # Fresh models, optimizers and scalers per block: where a variant's tensors land in memory
+        # (cache sets, pages) shifts its step time by a percent or two for the life of the
+        # allocation; new allocations per block average that out instead of fixing it per variant.
+        rounds = min(per_block, args.steps - block * per_block)
+        variants = make_variants(names, args.size, device, workdir / f"block{block}", seed=0)
+        data = list(batches(args.size, device, args.warmup + rounds, seed=1 + block))
+        for i, batch in enumerate(data):
+            # A fresh order each round: no variant always runs right after another (cache state).
+            for v in order.sample(variants, len(variants)):
+                _sync(device)
+                t = time.perf_counter()
+                train_step(v, batch, dtype, device)
+                _sync(device)
+                if i >= args.warmup:
+                    times[v.name].append(time.perf_counter() - t)
+        recorded_steps += len(data)
+        if device == "cuda" and block == args.blocks - 1:
+            extra = cuda_counts(variants, data[:8], dtype, device)
+            recorded_steps += 8
+        for v in variants:
+            if isinstance(v.scaler, ampdoctor.GradScaler):
+                v.scaler.close()
+                written[v.name] += sum(f.stat().st_size for f in v.path.glob("*.parquet"))
+        del variants
     plain = statistics.fmean(times["plain"])
     results = []
-    for v in variants:
-        mean = statistics.fmean(times[v.name])
+    for name in names:
+        mean = statistics.fmean(times[name])
         # ratio: of mean step times, so that the sampled (detailed) steps count at their share;
         # paired_ratio: the median over rounds of this variant's step over plain's in the same
         # round, which is robust to drift and outliers but blind to the sampled steps.
-        paired = [t / p for t, p in zip(times[v.name], times["plain"])]
-        row = {"variant": v.name, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(times[v.name]),
+        paired = [t / p for t, p in zip(times[name], times["plain"])]
+        row = {"variant": name, "mean_ms": 1e3 * mean, "median_ms": 1e3 * statistics.median(times[name]),
                "ratio": mean / plain, "paired_ratio": statistics.median(paired)}
-        if v.path is not None:
-            size = sum(f.stat().st_size for f in v.path.glob("*.parquet"))
-            row["bytes_per_step"] = size / (total + len(extra and data[:8]))
-        row.update(extra.get(v.name, {}))
+        if name.startswith("ampdoctor"):
+            row["bytes_per_step"] = written[name] / recorded_steps
+        row.update(extra.get(name, {}))
         results.append(row)
     shutil.rmtree(workdir, ignore_errors=True)
     layers, d, heads, context, batch, vocab = SIZES[args.size]
-    params = sum(p.numel() for p in variants[0].model.parameters())
+    params = sum(p.numel() for p in TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads, context=context).parameters())
     return {"benchmark": "overhead", "device": _device_name(device), "device_type": device,
             "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "ampdoctor": ampdoctor.__version__,
             "python": platform.python_version(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
             "size": args.size, "model": {"layers": layers, "d_model": d, "heads": heads, "context": context,
                                          "batch": batch, "vocab": vocab, "parameters": params},
-            "warmup": args.warmup, "steps": args.steps, "results": results, "skipped_variants": skipped_variants}
+            "warmup": args.warmup, "steps": args.steps, "blocks": args.blocks, "results": results, "skipped_variants": skipped_variants}
 
 
 def cuda_counts(variants, data, dtype, device) -> dict:
@@ -200,16 +211,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default=None)
-    parser.add_argument("--steps", type=int, default=100,
-                        help="measured steps per variant (a multiple of 50 includes the sampled steps at their share)")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400,
+                        help="measured steps per variant, over all blocks; with 100 per block (a multiple of the "
+                             "default every=100) each block includes the sampled steps at their share")
+    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps per block")
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="the rounds are split into blocks, each with freshly built variants")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.size = args.size or ("gpt2" if args.device == "cuda" else "small")
     result = measure(args)
     print(f"{result['device']} ({result['dtype']}), {args.size}: {result['model']['parameters'] / 1e6:.1f} M "
           f"parameters, batch {result['model']['batch']}x{result['model']['context']}, {args.steps} alternating "
-          f"steps after {args.warmup} of warm-up; ratio: of mean step times; paired: median of per-round ratios")
+          f"rounds in {args.blocks} blocks of fresh variants, each after {args.warmup} of warm-up; ratio: of mean step times; paired: median of per-round ratios")
     print(f"{'variant':<24} {'mean ms':>8} {'ratio':>7} {'paired':>7} {'bytes/step':>11} {'syncs/step':>11} "
           f"{'mem +%':>7}")
     for r in result["results"]:

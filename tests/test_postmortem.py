@@ -118,10 +118,25 @@ def test_big_weights_name_the_parameter(runs):
     assert pm["evidence"]["large_parameters"][0]["amax"] > 65504
 
 
-def test_nonfinite_weights_is_an_anomaly_with_param_rows(runs):
+def test_nonfinite_weights_is_an_anomaly_with_param_rows(runs, tmp_path):
+    """The sampled check sees the NaN weight once the NaN loss escalates recording; the steps in
+    between were skipped (the weight unchanged), so the postmortem traces it back to FAULT. With
+    check_params="always" the row is at FAULT itself."""
     frame = ampdoctor.load(runs["nonfinite_weights"])
     rows = frame[(frame.kind == "param") & (frame.name == "fc2.weight")]
-    assert rows.step.min() == FAULT and rows.amax.isna().all()
+    first = rows.step.min()
+    steps = frame[frame.kind == "step"].set_index("step")
+    assert FAULT < first <= FAULT + 3 and rows.amax.isna().all()
+    assert steps.loc[FAULT + 1:first, "skipped"].all() and not steps.loc[FAULT, "skipped"]
+    pm = ampdoctor.postmortem(runs["nonfinite_weights"])
+    assert pm["event"]["step"] == FAULT and f"check at step {first}" in pm["event"]["description"]
+    always = tmp_path / "always.parquet"
+    scenario("nonfinite_weights", always, level="params", check_params="always")
+    frame = ampdoctor.load(always)
+    rows = frame[(frame.kind == "param") & (frame.name == "")]
+    assert list(rows.step) == list(range(30))
+    assert rows.set_index("step").amax.isna().loc[FAULT:].all() and rows.amax.iloc[:FAULT].notna().all()
+    assert ampdoctor.postmortem(always)["origin"]["step"] == FAULT
 
 
 def test_healthy_run_says_healthy(runs):
@@ -172,7 +187,9 @@ def test_params_level_gives_the_cause_and_says_what_is_missing(tmp_path):
 def test_a_run_that_dies_right_after_the_event_still_explains_it(tmp_path, how):
     path = tmp_path / "dead.parquet"
     tests = Path(__file__).resolve().parent
-    die = f"kill_at={FAULT}" if how == "sigkill" else "before_step=boom"
+    # SIGKILL right after the optimizer wrote the NaN leaves no later step to see it: only a
+    # check after every step records it. An exception still closes the run at exit, which checks.
+    die = f"kill_at={FAULT}, check_params='always'" if how == "sigkill" else "before_step=boom"
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tests)!r})

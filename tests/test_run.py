@@ -34,7 +34,9 @@ def test_run_reads_with_plain_pandas_and_pyarrow(run_path):
     record(run_path)
     df = pd.read_parquet(run_path)  # the run is a public format: no ampdoctor needed to read it
     assert list(df.columns) == list(COLUMNS)
-    assert len(df) == 6 * 8  # per step: the step row, 6 parameter gradients, the parameters check
+    # Per step: the step row and 6 parameter gradients; the parameter check at step 0 (sampled)
+    # and at the end of the run.
+    assert len(df) == 6 * 7 + 2 and sorted(df[df.kind == "param"].step) == [0, 5]
     meta = pq.read_schema(next(run_path.glob("*.parquet"))).metadata
     for key in ("ampdoctor.schema_version", "scaler.init_scale", "amp.dtype", "hist.bins", "run.id",
                 "world_size", "torch.version", "device", "run.started", "hist.min_exp"):
@@ -58,7 +60,7 @@ def test_describe(run_path):
     info = describe(read_run(run_path))
     assert info["steps"] == 6 and info["first_step"] == 0 and info["last_step"] == 5
     assert info["tensors"] == 6 and info["ranks"] == [0] and info["ended_cleanly"]
-    assert info["kinds"] == {"step": 6, "param_grad": 36, "param": 6}
+    assert info["kinds"] == {"step": 6, "param_grad": 36, "param": 2}
     assert info["segments"] == 4  # three of two steps, and the empty final one written by close()
 
 

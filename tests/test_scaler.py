@@ -401,5 +401,26 @@ def test_invalid_options_raise_before_training():
         ampdoctor.GradScaler("cpu", path="x", every=0)
     with pytest.raises(ValueError, match="floating-point"):
         ampdoctor.GradScaler("cpu", path="x", amp_dtype=torch.int8)
+    with pytest.raises(ValueError, match="check_params"):
+        ampdoctor.GradScaler("cpu", path="x", check_params="sometimes")
     with pytest.raises(TypeError, match="GradScaler"):
         ampdoctor.wrap(object())
+
+
+def test_parameter_check_is_sampled_unless_always(tmp_path):
+    """check_params=True: after the sampled steps, the escalated steps after an anomaly, and at
+    the end of the run; "always" and a disabled scaler: after every step. The values are each
+    parameter's max |w| as the optimizer left it."""
+    def param_steps(enabled=True, **options):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.parquet"
+        outcome = train("basic", recording(path, enabled=enabled, **options))
+        frame = read_run(path).frame
+        totals = frame[(frame.kind == "param") & (frame.name == "")]
+        return sorted(totals.step), (totals.amax.iloc[-1] if len(totals) else None), outcome
+
+    steps, last, outcome = param_steps(every=5, escalate_steps=0)
+    assert steps == [0, 5, 10, STEPS - 1]
+    assert last == max(float(p.detach().abs().max()) for p in outcome.params)
+    assert param_steps(every=5, check_params="always")[0] == list(range(STEPS))
+    assert param_steps(enabled=False, every=5)[0] == list(range(STEPS))
+    assert param_steps(every=5, check_params=False)[0] == []

@@ -57,6 +57,7 @@ class Event:
     rank: int
     kind: str          # "nonfinite_loss", "nonfinite_params", "skip_run", "scale_collapse"
     description: str
+    checked_at: int | None = None  # nonfinite_params: the step whose check saw them (>= step)
 
 
 def postmortem(run: Run | str | os.PathLike) -> dict:
@@ -119,9 +120,12 @@ def _first_event(steps: pd.DataFrame, params: pd.DataFrame) -> Event | None:
     bad_params = totals[~np.isfinite(totals["amax"])]
     if len(bad_params):
         r = bad_params.iloc[0]
-        candidates.append(Event(int(r["step"]), int(r["rank"]), "nonfinite_params",
+        checked, rank = int(r["step"]), int(r["rank"])
+        written = _last_applied_step(steps, checked, rank)
+        seen = "" if written == checked else f" (seen by the check at step {checked}; the steps between were skipped)"
+        candidates.append(Event(written, rank, "nonfinite_params",
                                 f"the parameters held a non-finite value after the optimizer step of step "
-                                f"{int(r['step'])} on rank {int(r['rank'])}"))
+                                f"{written} on rank {rank}{seen}", checked_at=checked))
     merged = steps.groupby("step").agg(skipped=("skipped", "any"), scale=("scale", "min"),
                                        loss_bad=("loss_bad", "any"))
     skip_event = _skip_run(merged)
@@ -132,6 +136,21 @@ def _first_event(steps: pd.DataFrame, params: pd.DataFrame) -> Event | None:
     # A non-finite parameter after step t shows before step t+1's loss does.
     order = {"nonfinite_params": 0, "nonfinite_loss": 1, "skip_run": 2, "scale_collapse": 2}
     return min(candidates, key=lambda e: (e.step + (0.5 if e.kind == "nonfinite_loss" else 0), order[e.kind]))
+
+
+def _last_applied_step(steps: pd.DataFrame, step: int, rank: int) -> int:
+    """The step whose optimizer step last changed the parameters that ``step``'s check saw: ``step``
+    itself, or the last step before it that was not skipped (skipped steps leave them as they
+    were; the parameter check is sampled, so it may see non-finite values steps after they were
+    written)."""
+    mine = steps[(steps["rank"] == rank) & (steps["step"] <= step)].sort_values("step")
+    applied = mine[~mine["skipped"].to_numpy(bool)]
+    if not len(applied):
+        return step
+    last = int(applied["step"].iloc[-1])
+    between = mine[mine["step"] > last]["step"].to_numpy()
+    # Only a gap-free run of recorded, skipped steps proves the parameters did not change.
+    return last if len(between) == step - last else step
 
 
 def _skip_run(merged: pd.DataFrame) -> Event | None:
@@ -173,7 +192,8 @@ def _classify(a: Analysis, steps, params, event: Event, rows: pd.DataFrame, note
             zip(big["name"], big["amax"], big["step"])][:10]
     # 1. The optimizer wrote non-finite parameters.
     if event.kind == "nonfinite_params":
-        at = params[(params["step"] == event.step) & (params["rank"] == event.rank) & (params["name"] != "")]
+        checked = event.checked_at if event.checked_at is not None else event.step
+        at = params[(params["step"] == checked) & (params["rank"] == event.rank) & (params["name"] != "")]
         bad = at[~np.isfinite(at["amax"])]
         name = bad["name"].iloc[0] if len(bad) else ""
         step_row = steps[(steps["step"] == event.step) & (steps["rank"] == event.rank)]

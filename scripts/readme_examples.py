@@ -1,0 +1,96 @@
+"""Regenerate (or check) the example outputs in README.md.
+
+Each example in the README sits between two markers, with the command that produced it:
+
+    <!-- example: ampdoctor demo --scenario overflow --report -->
+    ```text
+    ...the command's standard output...
+    ```
+    <!-- /example -->
+
+The command runs with bash in a fresh temporary directory (so runs it writes never mix with
+others), and its standard output replaces the block. ``--check`` changes nothing and exits 1,
+naming the stale examples, when any output differs: CI runs it (``tests/test_readme.py``), so the
+README cannot show output that the code no longer produces.
+
+    python scripts/readme_examples.py           # rewrite README.md
+    python scripts/readme_examples.py --check   # exit 1 if an example is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+EXAMPLE = re.compile(r"<!-- example: (?P<command>.+?) -->\n```text\n(?P<output>.*?)```\n<!-- /example -->", re.S)
+
+
+@dataclass
+class Example:
+    command: str
+    recorded: str
+    span: tuple[int, int]
+
+
+def examples(text: str) -> list[Example]:
+    return [Example(m["command"], m["output"], m.span("output")) for m in EXAMPLE.finditer(text)]
+
+
+def run_example(command: str) -> str:
+    """The standard output of ``command`` run with bash in a fresh directory (no colour: not a
+    terminal). A failing command is an error, not an example."""
+    with tempfile.TemporaryDirectory(prefix="ampdoctor-example-") as cwd:
+        env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
+        done = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"example command failed ({done.returncode}): {command}\n{done.stderr[-2000:]}")
+    out = done.stdout
+    return out if out.endswith("\n") else out + "\n"
+
+
+def refresh(text: str) -> tuple[str, list[str]]:
+    """``text`` with every example's output regenerated, and the commands whose output changed."""
+    stale, pieces, last = [], [], 0
+    for ex in examples(text):
+        fresh = run_example(ex.command)
+        if fresh != ex.recorded:
+            stale.append(ex.command)
+            sys.stderr.writelines(difflib.unified_diff(ex.recorded.splitlines(True), fresh.splitlines(True),
+                                                       f"README: {ex.command}", "now"))
+        pieces += [text[last:ex.span[0]], fresh]
+        last = ex.span[1]
+    pieces.append(text[last:])
+    return "".join(pieces), stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if an example is stale")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    text = args.readme.read_text(encoding="utf-8")
+    if not examples(text):
+        print(f"{args.readme}: no examples found", file=sys.stderr)
+        return 1
+    new, stale = refresh(text)
+    if args.check:
+        if stale:
+            print(f"stale README examples (run python scripts/readme_examples.py): {stale}", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        args.readme.write_text(new, encoding="utf-8")
+    print(f"{len(examples(text))} examples, {len(stale)} updated", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""`ampdoctor demo --scenario ...`: each scenario, trained for real on the CPU (fp16 autocast), shows
+the one problem it is meant to show, and the report or the postmortem explains it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ampdoctor
+from ampdoctor.cli import main
+from ampdoctor.demo import SCENARIOS, DemoError, fault_step, run_demo
+from ampdoctor.reports.summary import build_report
+
+STEPS = 60  # fewer than the CPU default of 150: every scenario already shows its problem by then
+FAULT = fault_step("nan", STEPS)
+
+
+def demo(*args: str):
+    return CliRunner().invoke(main, ["demo", "--device", "cpu", *args])
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    """scenario → (run path, standard output of `ampdoctor demo --report`): each trained once."""
+    root = tmp_path_factory.mktemp("demo")
+    out = {}
+    for name in SCENARIOS:
+        path = root / f"{name}.parquet"
+        result = demo("--scenario", name, "--out", str(path), "--steps", str(STEPS), "--report")
+        assert result.exit_code == 0, result.output
+        out[name] = (path, result.stdout)
+    return out
+
+
+def test_healthy_skips_nothing_and_has_no_event(demos):
+    path, _ = demos["healthy"]
+    report = build_report(path)
+    assert report["scale"]["skipped_steps"] == 0
+    assert report["recommendation"]["verdict"] == "keep"
+    assert report["recommendation"]["current"]["underflow_rate"] < 1e-3
+    assert ampdoctor.postmortem(path)["status"] == "healthy"
+
+
+def test_underflow_is_high_and_a_larger_init_scale_is_recommended(demos):
+    path, _ = demos["underflow"]
+    report = build_report(path)
+    rec = report["recommendation"]
+    assert report["scale"]["max"] == 1.0  # the scale never grew out of it
+    assert rec["current"]["underflow_rate"] > 0.2, rec["current"]
+    assert report["layers"][0]["underflow_rate"] > 0.5
+    assert rec["verdict"] == "change" and rec["init_scale"] >= 2.0**10
+    assert rec["predicted"]["underflow_rate"] < rec["current"]["underflow_rate"] / 100
+    # Silent: nothing went non-finite, so only the report sees it.
+    assert ampdoctor.postmortem(path)["status"] == "healthy"
+
+
+def test_overflow_skips_many_steps_and_the_recommendation_skips_fewer(demos):
+    path, _ = demos["overflow"]
+    report = build_report(path)
+    rec = report["recommendation"]
+    skipped = report["scale"]["skipped_steps"]
+    assert skipped >= 0.1 * STEPS, report["scale"]
+    assert report["scale"]["settle_step"] >= 3  # the start-up backoff from 2**24 ...
+    assert any("right after the scale grew" in r for r in rec["reasons"])  # ... then periodic overflow
+    assert rec["verdict"] == "change" and rec["current"]["skipped_steps"] == skipped
+    assert rec["predicted"]["skipped_steps"] <= skipped // 4, rec["predicted"]
+    assert rec["init_scale"] < 2.0**24 or rec["growth_interval"] > 10
+    assert sum(o["count"] for o in report["overflow_origins"]) == skipped  # level="full": every one named
+
+
+def test_nan_postmortem_names_the_step_and_the_module(demos):
+    path, _ = demos["nan"]
+    pm = ampdoctor.postmortem(path)
+    assert pm["status"] == "nonfinite"
+    assert pm["first_nonfinite_step"] == FAULT == STEPS - 5
+    assert pm["cause"] == "forward_overflow", pm
+    assert pm["origin"] == {"name": "blocks.1.mlp.0", "kind": "output", "rank": 0, "step": FAULT}
+    assert "large_parameters" not in pm["evidence"]  # the weight itself stayed within fp16's range
+    assert any("blocks.1.mlp.0" in a and "float32" in a for a in pm["advice"])
+    assert pm["run"]["steps"] == STEPS  # the run went on after the event
+    losses = ampdoctor.load(path).query("kind == 'step'").set_index("step")["loss"].astype(float)
+    assert losses.loc[:FAULT - 1].map(math.isfinite).all() and losses.loc[FAULT:].isna().all()
+
+
+REPORT_LINES = {
+    "healthy": ["Scenario healthy:", f"Trained {STEPS} steps on cpu:", "0 skipped (0)",
+                "Keep the current scaler settings.", "none: no step overflowed"],
+    "underflow": ["Scenario underflow:", "range 2**0..2**0; 0 skipped", "Change the scaler settings.",
+                  "underflowed to zero", "underflow rate <0.001% instead of"],
+    "overflow": ["Scenario overflow:", "Change the scaler settings.", "Overflow origins",
+                 "right after the scale grew", "skipped step(s) instead of"],
+    "nan": [f"Trained {STEPS} steps on cpu (weight blown up at step {FAULT}): final loss nan",
+            "forward_overflow: an activation exceeded the format's range",
+            f"event: the loss was nan at step {FAULT} on rank 0",
+            f"origin: blocks.1.mlp.0 (output), step {FAULT}, rank 0", "keep `blocks.1.mlp.0` in float32"],
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_report_flag_prints_the_explanation(demos, name):
+    path, output = demos[name]
+    command = SCENARIOS[name].explained_by
+    assert f"ampdoctor {command}  {path}" in output  # the rendered report's (or postmortem's) title
+    for line in REPORT_LINES[name]:
+        assert line in output, (line, output)
+    assert "Read it with" not in output
+    if command == "report":
+        rec = build_report(path)["recommendation"]
+        assert rec["code"] in output
+        assert (f"predicted: {rec['predicted']['skipped_steps']} skipped step(s) instead of "
+                f"{rec['current']['skipped_steps']}") in output
+
+
+@pytest.mark.parametrize("name", ["underflow", "nan"])
+def test_without_report_it_names_the_command_to_run(tmp_path, name):
+    path = tmp_path / "run.parquet"
+    result = demo("--scenario", name, "--out", str(path), "--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith(f"Read it with:\n  ampdoctor {SCENARIOS[name].explained_by} {path}\n")
+
+
+def test_default_scenario_and_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = demo("--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("Scenario healthy:")
+    assert "ampdoctor report ampdoctor-demo.parquet" in result.stdout
+    assert float(ampdoctor.read_run(tmp_path / "ampdoctor-demo.parquet").metadata["scaler.init_scale"]) == 2.0**16
+
+
+def test_unknown_scenario_is_a_usage_error():
+    result = demo("--scenario", "bogus")
+    assert result.exit_code == 2
+    assert "Invalid value for '--scenario'" in result.output and "Traceback" not in result.output
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(main, ["demo", "--device", "cuda", "--scenario", "nan", "--report",
+                                       "--out", str(tmp_path / "x")])
+    assert result.exit_code != 0
+    assert result.output.startswith("Error: ") and result.output.count("\n") == 1
+    assert "CUDA is not available" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_demo_replaces_its_own_run_and_nothing_else(tmp_path):
+    path = tmp_path / "run.parquet"
+    run_demo(path, steps=3, device="cpu")
+    result = run_demo(path, scenario="nan", steps=2, device="cpu")  # not appended: a fresh run
+    assert result.fault_step == 0 and math.isnan(result.final_loss)
+    assert ampdoctor.load(path).query("kind == 'step'")["step"].tolist() == [0, 1]
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(DemoError, match="not an ampdoctor run"):
+        run_demo(other, steps=1, device="cpu")
+    assert (other / "notes.txt").read_text() == "keep me"
+    result = demo("--out", str(other), "--steps", "1")
+    assert result.exit_code == 2 and "not an ampdoctor run" in result.output
+    with pytest.raises(DemoError, match="unknown scenario"):
+        run_demo(tmp_path / "y", scenario="bogus")

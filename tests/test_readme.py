@@ -1,0 +1,73 @@
+"""The README's promises, run as a newcomer would: the quick start in a clean virtual environment,
+and every example output regenerated from its command (``scripts/readme_examples.py``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+sys.path.insert(0, str(ROOT / "scripts"))
+import readme_examples  # noqa: E402
+
+QUICK_RUN = "ampdoctor demo && ampdoctor report ampdoctor-demo.parquet"
+
+
+def quick_start() -> list[str]:
+    """The bash blocks of the README's "Quick start" section: [run the demo, run the tests]."""
+    section = README.read_text(encoding="utf-8").split("\n## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_quick_start_has_the_two_documented_commands():
+    run, tests = quick_start()
+    assert run.endswith(QUICK_RUN) and 'pip install torch==2.13.0' in run and "pip install -e ." in run
+    assert tests.endswith("python3 -m pytest") and 'pip install -e ".[test]"' in tests
+    # CI runs the same test command (.ci/run spells the same steps one per line).
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'pip install -e ".[test]"' in ci and "python3 -m pytest" in ci and "torch==2.13.0" in ci
+
+
+def test_readme_examples_are_what_the_commands_print():
+    text = README.read_text(encoding="utf-8")
+    found = readme_examples.examples(text)
+    assert {ex.command for ex in found} >= {QUICK_RUN}, "the quick start's output is not shown"
+    _, stale = readme_examples.refresh(text)
+    assert not stale, f"stale README examples (run python scripts/readme_examples.py): {stale}"
+
+
+def _copy_checkout(dest: Path) -> Path:
+    """The project's files without build outputs or runs: what a fresh clone holds."""
+    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", "dist", "*.parquet",
+                                    ".pytest_cache", ".hypothesis", "venv", ".venv")
+    shutil.copytree(ROOT, dest, ignore=ignore)
+    return dest
+
+
+def test_quick_start_in_a_clean_venv(tmp_path):
+    """The README's first command, verbatim, in a new virtual environment and a fresh copy of the
+    project. The venv sees the machine's packages (torch is not downloaded again; pip keeps it,
+    which is what the command's torch check is for) but not this checkout's install."""
+    run, _ = quick_start()
+    checkout = _copy_checkout(tmp_path / "ampdoctor")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv),
+               COLUMNS="100", NO_COLOR="1")
+    done = subprocess.run(["bash", "-c", run], cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    installed = subprocess.run([str(venv / "bin" / "python"), "-c", "import ampdoctor; print(ampdoctor.__file__)"],
+                               env=env, capture_output=True, text=True, check=True).stdout
+    assert Path(installed.strip()).is_relative_to(checkout), installed  # the venv's install, not ours
+    assert (checkout / "ampdoctor-demo.parquet").is_dir()
+    shown = {ex.command: ex.recorded for ex in readme_examples.examples(README.read_text(encoding="utf-8"))}
+    assert done.stdout.endswith(shown[QUICK_RUN]), done.stdout[-3000:]
