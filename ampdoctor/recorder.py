@@ -8,8 +8,8 @@ record; the writer thread waits on the event. Every method is guarded: an except
 once and stops recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
 
 Module taps (``level="full"``, or an escalation) call ``observe_tap`` from forward and gradient
-hooks (:mod:`ampdoctor.hooks`). On detailed steps (every ``every`` steps, and the ``escalate_steps``
-after an anomaly) each tapped tensor gets the full statistics; on the other steps it gets one
+hooks (:mod:`ampdoctor.hooks`). On module-sampled steps (every ``module_every`` steps) and the
+``escalate_steps`` after an anomaly each tapped tensor gets the full statistics; on the other steps it gets one
 reduction, its min and max (hence its peak magnitude), which is enough to see every non-finite value. The peaks of the last
 ``flight_steps`` steps stay on the device (the flight recorder) and are written out only when an
 anomaly is seen: a skipped step, a non-finite loss, or the scale falling below ``scale_floor``.
@@ -47,6 +47,10 @@ from .stats import (DeviceStats, HostStats, LightStats, SlotLayouts, extremes, l
 from .writer import RunWriter, close_all_writers
 
 LEVELS = ("steps", "params", "full")
+# Full statistics of the gradients every 100 steps; of the module taps (about ten times the
+# elements of the gradients in a transformer) every 1000, unless ``every`` is set explicitly.
+DEFAULT_EVERY = 100
+DEFAULT_MODULE_EVERY = 1000
 MAX_TAP_ROWS_PER_STEP = 100_000  # beyond this (a long forward-only loop between steps) rows are dropped
 
 
@@ -56,7 +60,8 @@ class RecordOptions:
 
     path: str | os.PathLike | None = None
     level: str = "params"
-    every: int = 100
+    every: int | None = None          # None: DEFAULT_EVERY
+    module_every: int | None = None   # None: ``every`` when given, else DEFAULT_MODULE_EVERY
     strict: bool = False
     flush_every: int = 1000
     flush_seconds: float = 60.0
@@ -72,10 +77,22 @@ class RecordOptions:
     check_params: bool | str = True  # True: sampled steps, escalated steps and the end; "always"; False
     ranks: Any = None  # the ranks that record (an int or an iterable of ints); None: all
 
+    @property
+    def gradient_interval(self) -> int:
+        return self.every or DEFAULT_EVERY
+
+    @property
+    def module_interval(self) -> int:
+        return self.module_every or self.every or DEFAULT_MODULE_EVERY
+
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
-        for name in ("every", "flush_every", "hist_bins", "queue_size"):
+        for name in ("every", "module_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        for name in ("flush_every", "hist_bins", "queue_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -596,9 +613,9 @@ class Recorder:
         self._taps, self._tap_mode = None, None
 
     def _detailed_step(self) -> bool:
-        """Whether this step gets the full statistics (counts, histograms, module statistics):
-        every ``every`` steps, and the ``escalate_steps`` after an anomaly."""
-        return self.step % self.options.every == 0 or self.step < self._escalate_until
+        """Whether this step's gradients get the full statistics (counts, histograms): every
+        ``every`` steps, and the ``escalate_steps`` after an anomaly."""
+        return self.step % self.options.gradient_interval == 0 or self.step < self._escalate_until
 
     def _per_tensor_step(self) -> bool:
         """Whether this step writes a row per parameter (else only the step row)."""
@@ -612,7 +629,7 @@ class Recorder:
         escalated = self.step < self._escalate_until
         mode = None
         if self.options.level == "full":
-            if escalated or self.step % self.options.every == 0:
+            if escalated or self.step % self.options.module_interval == 0:
                 mode = "full"
             elif self.options.flight_steps:
                 mode = "light"

@@ -424,3 +424,29 @@ def test_parameter_check_is_sampled_unless_always(tmp_path):
     assert param_steps(every=5, check_params="always")[0] == list(range(STEPS))
     assert param_steps(enabled=False, every=5)[0] == list(range(STEPS))
     assert param_steps(every=5, check_params=False)[0] == []
+
+
+def test_module_statistics_are_sampled_less_often_by_default(tmp_path):
+    """level="full": gradients get full statistics every 100 steps and module taps every 1000 by
+    default; an explicit ``every`` applies to both unless ``module_every`` is given. Between
+    module-sampled steps the taps keep only the flight recorder's peaks (written on anomalies)."""
+    def detailed(frame, kinds):
+        rows = frame[frame.kind.isin(kinds) & frame.n_zero.notna()]
+        return sorted(set(rows.step))
+
+    def record(**options):
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.parquet"
+        train("basic", recording(path, level="full", escalate_steps=0, **options))
+        return read_run(path).frame
+
+    taps = ["output", "grad_output"]
+    frame = record(start_step=95)  # steps 95..106: the gradient sample at 100, no module sample
+    assert detailed(frame, ["param_grad"]) == [100] and detailed(frame, taps) == []
+    frame = record(start_step=995)  # steps 995..1006: both at 1000
+    assert detailed(frame, ["param_grad"]) == [1000] and detailed(frame, taps) == [1000]
+    frame = record(every=5)
+    assert detailed(frame, ["param_grad"]) == detailed(frame, taps) == [0, 5, 10]
+    frame = record(every=5, module_every=4)
+    assert detailed(frame, ["param_grad"]) == [0, 5, 10] and detailed(frame, taps) == [0, 4, 8]
+    with pytest.raises(ValueError, match="module_every"):
+        ampdoctor.GradScaler("cpu", path="x", module_every=0)
