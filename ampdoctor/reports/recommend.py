@@ -137,9 +137,10 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
         out.append(f"the current settings are the best found: {pick.skipped_steps} skipped step(s), "
                    f"{_underflow(pick.underflow_rate)}")
     else:
+        underflow = (f"still {_underflow(0)}" if pick.underflow_rate == actual["underflow_rate"] == 0 else
+                     f"{_underflow(pick.underflow_rate)} instead of {_underflow(actual['underflow_rate'])}")
         out.append(f"with {cfg.settings(current)} the replay predicts "
-                   f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and "
-                   f"{_underflow(pick.underflow_rate)} instead of {_underflow(actual['underflow_rate'])}"
+                   f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and {underflow}"
                    + (f" ({pick.uncertain_steps} more step(s) uncertain)" if pick.uncertain_steps else ""))
     return out
 
