@@ -56,7 +56,7 @@ def test_quick_start_in_a_clean_venv(tmp_path):
     project. The venv sees the machine's packages (torch is not downloaded again; pip keeps it,
     which is what the command's torch check is for) but not this checkout's install."""
     run, _ = quick_start()
-    checkout = _copy_checkout(tmp_path / "ampdoctor")
+    checkout = _copy_checkout(tmp_path / "checkout")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -66,7 +66,7 @@ def test_quick_start_in_a_clean_venv(tmp_path):
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     installed = subprocess.run([str(venv / "bin" / "python"), "-c", "import ampdoctor; print(ampdoctor.__file__)"],
-                               env=env, capture_output=True, text=True, check=True).stdout
+                               env=env, cwd=venv, capture_output=True, text=True, check=True).stdout
     assert Path(installed.strip()).is_relative_to(checkout), installed  # the venv's install, not ours
     assert (checkout / "ampdoctor-demo.parquet").is_dir()
     shown = {ex.command: ex.recorded for ex in readme_examples.examples(README.read_text(encoding="utf-8"))}
