@@ -10,14 +10,9 @@ path="run"))]`` (then ``close()`` it after ``fit``). Needs ``pip install "ampdoc
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import torch
 
-from ..recorder import RecordOptions
-from ..scaler import unwrap, wrap
-from . import require
+from . import CallbackRun, require
 
 _pl = require("lightning.pytorch", "lightning")
 
@@ -30,7 +25,7 @@ def _scaler(trainer) -> torch.amp.GradScaler | None:
     return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
-class AmpdoctorCallback(_pl.Callback):
+class AmpdoctorCallback(CallbackRun, _pl.Callback):
     """Records ``trainer.precision_plugin.scaler`` during ``fit``.
 
     ``on_fit_start`` checks that there is a GradScaler to record; ``on_train_start`` wraps it in
@@ -51,15 +46,6 @@ class AmpdoctorCallback(_pl.Callback):
     already recording (an ``ampdoctor.GradScaler`` passed to the plugin: use one or the other).
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, **options: Any) -> None:
-        options = dict(options)
-        start_step = options.pop("start_step", None)
-        RecordOptions(path=path, **options)  # bad options fail here, not at the start of training
-        self.path = path
-        self.options = options
-        self.start_step = start_step
-        self.scaler: torch.amp.GradScaler | None = None
-
     def on_fit_start(self, trainer, pl_module) -> None:
         scaler = _scaler(trainer)
         if scaler is None:
@@ -78,19 +64,10 @@ class AmpdoctorCallback(_pl.Callback):
         scaler = _scaler(trainer)
         if scaler is None:  # on_fit_start raised already; a plugin swapped in between
             raise ValueError("AmpdoctorCallback: the precision plugin has no GradScaler")
-        options = dict(self.options)
-        options.setdefault("amp_dtype", torch.float16)
-        start = trainer.global_step if self.start_step is None else self.start_step
-        self.scaler = wrap(scaler, model=pl_module, path=self.path, start_step=start, **options)
+        self._record(scaler, pl_module, trainer.global_step)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self.close()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self.close()
-
-    def close(self) -> None:
-        """Finish the run and give the scaler its plain class back. Idempotent."""
-        scaler, self.scaler = self.scaler, None
-        if scaler is not None:
-            unwrap(scaler)

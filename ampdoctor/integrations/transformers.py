@@ -8,21 +8,16 @@ Needs ``pip install "ampdoctor[transformers]"`` (Transformers and Accelerate).
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import torch
 
-from ..recorder import RecordOptions
-from ..scaler import unwrap, wrap
-from . import require
+from . import CallbackRun, require
 
 _transformers = require("transformers", "transformers")
 
 __all__ = ["AmpdoctorCallback"]
 
 
-class AmpdoctorCallback(_transformers.TrainerCallback):
+class AmpdoctorCallback(CallbackRun, _transformers.TrainerCallback):
     """Records the Trainer's GradScaler from ``on_train_begin`` to ``on_train_end``.
 
     The Trainer (4.40 and later) trains through Accelerate, whose prepared optimizer holds the
@@ -43,15 +38,6 @@ class AmpdoctorCallback(_transformers.TrainerCallback):
     flushed at interpreter exit.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, **options: Any) -> None:
-        options = dict(options)
-        start_step = options.pop("start_step", None)
-        RecordOptions(path=path, **options)  # bad options fail here, not at the start of training
-        self.path = path
-        self.options = options
-        self.start_step = start_step
-        self.scaler: torch.amp.GradScaler | None = None
-
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.close()  # a second train() on the same Trainer starts a new recording
         scaler = getattr(optimizer, "scaler", None)
@@ -61,17 +47,7 @@ class AmpdoctorCallback(_transformers.TrainerCallback):
                 f"device={args.device.type!r}); ampdoctor records fp16 loss scaling, which the Trainer "
                 "uses only with fp16=True on a GPU. On the CPU fp16=True trains in fp32, unscaled; "
                 "DeepSpeed scales the loss itself.")
-        options = dict(self.options)
-        if args.fp16:
-            options.setdefault("amp_dtype", torch.float16)
-        start = state.global_step if self.start_step is None else self.start_step
-        self.scaler = wrap(scaler, model=model, path=self.path, start_step=start, **options)
+        self._record(scaler, model, state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
-
-    def close(self) -> None:
-        """Finish the run and give the scaler its plain class back. Idempotent."""
-        scaler, self.scaler = self.scaler, None
-        if scaler is not None:
-            unwrap(scaler)
