@@ -43,6 +43,9 @@ CHUNK_ELEMENTS = 1 << 22  # bounds the temporaries: ~16 bytes per element of the
 # On the CPU, chunks whose temporaries stay in cache: fresh multi-MB temporaries cost a page fault
 # per 4 KiB, which made the pass 2-4x slower than its arithmetic.
 CPU_CHUNK_ELEMENTS = 1 << 18
+# Peaks between which a float32 dot product of a tensor with itself is exact to float32 rounding
+# (squares stay normal, sums of up to 2**40 of them finite).
+_DOT_SAFE_BELOW, _DOT_SAFE_ABOVE = 1e-15, 1e15
 
 _ABS_MASK = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
@@ -245,8 +248,11 @@ def peaks(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) ->
 def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | None) -> LightStats:
     """Peak magnitude and L2 norm of each tensor (one device), unscaled by ``inv_scale`` (0-dim
     float32 on that device, or None). Fused reductions and no temporaries the size of the data:
-    the every-step statistics. The norm is accumulated in float32 (float64 costs 6x on the CPU),
-    so a tensor with elements beyond ~1.8e19 may get an inf norm here. Does not sync."""
+    the every-step statistics. The norm is accumulated in float32 (float64 costs 6x on the CPU).
+    On the CPU a tensor whose peak is below 1e-15 or above 1e15 is rescaled first, so its norm is
+    exact to float32 rounding; on an accelerator (torch's fused norm, no rescaling: that would
+    need a look at the values, a sync) elements beyond ~1.8e19 may make it inf and a tensor of
+    elements all below ~1e-19 may read 0. Does not sync."""
     if not tensors:
         raise ValueError("light_stats needs at least one tensor")
     with torch.no_grad():
@@ -277,7 +283,15 @@ def _cpu_light_stats(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tor
         else:  # a half-precision dot would overflow at 65504
             norms.append(torch.linalg.vector_norm(t, dtype=torch.float32))
         pairs.append(extremes(t))
-    return torch.stack(norms), peak_magnitudes(pairs, tensors[0].device)
+    norms, top = torch.stack(norms), peak_magnitudes(pairs, tensors[0].device)
+    # Squares in float32 (here and in torch's own norms) vanish below ~1e-19 and overflow beyond
+    # ~1.8e19. The rare tensor whose peak is that far from 1 is divided by its peak first (reading
+    # CPU values is no device sync), so its norm is right unless the norm itself is out of range.
+    risky = ((top > 0) & (top < _DOT_SAFE_BELOW)) | ((top > _DOT_SAFE_ABOVE) & torch.isfinite(top))
+    if risky.any():
+        for i in risky.nonzero().flatten().tolist():
+            norms[i] = top[i] * torch.linalg.vector_norm(tensors[i].float() / top[i])
+    return norms, top
 
 
 def tensor_stats(
