@@ -3,6 +3,7 @@ of a few scenarios that each show one problem the report or the postmortem expla
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -142,6 +143,14 @@ def _is_segment(name: str) -> bool:
     return name.startswith(("part-", ".part-")) and name.endswith((".parquet", ".parquet.tmp"))
 
 
+@contextlib.contextmanager
+def _restore_threads(threads: int):
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy", steps: int | None = None,
              device: str | None = None, seed: int = 0,
              progress: Callable[[int], None] | None = None) -> DemoResult:
@@ -172,7 +181,10 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
     loss = torch.tensor(math.nan)
     scaler = GradScaler(device_type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval, model=model,
                         path=path, amp_dtype=torch.float16, level=cfg.level)
-    with scaler, warnings.catch_warnings():
+    threads = torch.get_num_threads()
+    if cpu:  # one thread: the same run, bit for bit, on any number of cores (reductions split alike)
+        torch.set_num_threads(1)
+    with scaler, warnings.catch_warnings(), _restore_threads(threads):
         # A step the scaler skips makes torch think the scheduler runs before the optimizer; it does not.
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         for i in range(steps):

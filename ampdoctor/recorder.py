@@ -90,7 +90,7 @@ class RecordOptions:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
         for name in ("every", "module_every"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         for name in ("flush_every", "hist_bins", "queue_size"):
             value = getattr(self, name)
@@ -238,8 +238,10 @@ class Recorder:
         self._params: list[ParamPeaks] = []      # this iteration's parameter checks, per optimizer
         self._params_checked: set[int] = set()
         self._param_optimizers: weakref.WeakSet = weakref.WeakSet()  # for the check at the end
-        self._last_param_check = start_step - 1  # the last step whose parameters were checked
+        self._last_param_check = start_step - 1  # the last step whose parameter check was queued
         self._last_scalars: torch.Tensor | None = None  # host scalars of the last checked step
+        self._stepped = False  # an optimizer stepped in the iteration in progress (no update() yet)
+        self._scaler_ref = weakref.ref(scaler)  # at exit: is this still the scaler's recorder?
         self._param_group_cache: dict[tuple, tuple[list, list]] = {}
         self._layouts = SlotLayouts()
         self._reported = False  # a failure has been warned about (or raised)
@@ -314,19 +316,25 @@ class Recorder:
             warnings.warn(f"ampdoctor: recording to {self.path} stopped ({type(exc).__name__}: "
                           f"{exc}); training continues unaffected", RuntimeWarning, stacklevel=4)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> None:
         """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies)
-        and for the writer thread: host-side waits only, after training."""
+        and for the writer thread (at most ``timeout`` seconds each when given): host-side waits
+        only, after training. ``at_exit``: the interpreter is exiting; the final parameter check
+        runs only if this is still its scaler's recorder (an abandoned scaler's run must not
+        describe parameters that another scaler went on training)."""
         if self.active:
             try:
-                self._check_anomalies(wait=True)
-                self._final_param_check()
+                deadline = None if timeout is None else time.monotonic() + timeout
+                self._check_anomalies(wait=True, deadline=deadline)
+                scaler = self._scaler_ref()
+                if not at_exit or (scaler is not None and getattr(scaler, "recorder", None) is self):
+                    self._final_param_check()
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
         self._remove_hooks()
         self.active = False
         _open_recorders.discard(self)
-        self.writer.close()
+        self.writer.close(timeout)
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
 
@@ -338,6 +346,7 @@ class Recorder:
         self._escalate_until = min(self._escalate_until, step)
         self._flight.clear()
         self._pending_checks.clear()
+        self._last_param_check, self._last_scalars, self._stepped = step - 1, None, False
         self._plan_step()
 
     def _remove_hooks(self) -> None:
@@ -448,30 +457,36 @@ class Recorder:
         after every step. Between checks a non-finite parameter still shows: the next forward's
         loss is non-finite, the steps skip (parameters unchanged) and the escalated steps check
         them; ``postmortem`` traces them back over the skipped steps to the step that wrote them."""
+        self._stepped = True
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
         self._param_optimizers.add(optimizer)
         if not (self._params_every_step or self._detailed_step()):
             return
         self._params_checked.add(id(optimizer))
-        self._last_param_check = self.step
         self._params.extend(self._check_params(optimizer))
 
     def _check_params(self, optimizer: torch.optim.Optimizer) -> list[ParamPeaks]:
         return [ParamPeaks(names, numels, peaks(tensors)) for names, numels, tensors in self._param_groups(optimizer)]
 
     def _final_param_check(self) -> None:
-        """At the end of the run: check the parameters as the last step left them, unless that
-        step checked them already. Host-side, after training; waits for nothing."""
-        last = self.step - 1
-        if not self.options.check_params or last <= self._last_param_check or self._last_scalars is None:
+        """At the end of the run: check the parameters as they are, unless the step that left
+        them so was checked already. That step is the last one recorded, or the iteration in
+        progress when an optimizer stepped in it but ``update()`` never came (training died in
+        between); its row then carries the last recorded step's scale. After training: may sync."""
+        step = self.step if self._stepped else self.step - 1
+        if not self.options.check_params or step <= self._last_param_check or self._last_scalars is None:
             return
-        parts = [p for opt in list(self._param_optimizers) for p in self._check_params(opt)]
-        params = _merge_params(parts)
-        if params is not None:
+        params = _merge_params([p for opt in list(self._param_optimizers) for p in self._check_params(opt)])
+        if params is None:
+            return
+        event = None
+        if params.peaks.device.type != "cpu":
             params.peaks = to_host(params.peaks)
-            self._last_param_check = last
-            self.writer.put(ParamRecord(last, self.rank, self.amp_dtype, self._last_scalars, params))
+            event = torch.cuda.Event()  # the writer reads the copy only after this
+            event.record()
+        self._last_param_check = step
+        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, self._last_scalars, params, event))
 
     def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
         """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
@@ -593,7 +608,9 @@ class Recorder:
                           "recorded", RuntimeWarning, stacklevel=3)
         self._dropped_taps = 0
         self._groups, self._loss, self._observed = [], None, set()
-        self._params, self._params_checked = [], set()
+        if self._params:
+            self._last_param_check = self.step  # queued with this step's record
+        self._params, self._params_checked, self._stepped = [], set(), False
         self._backward_scale, self._inv_scales = None, {}
         self.writer.put(record)
         if light is not None:
@@ -646,14 +663,20 @@ class Recorder:
             self._taps_off(f"module taps could not be installed ({type(exc).__name__}: {exc})")
 
     # -- anomalies: the flight recorder and escalation ---------------------------------------
-    def _check_anomalies(self, *, wait: bool) -> None:
+    def _check_anomalies(self, *, wait: bool, deadline: float | None = None) -> None:
         """Read the scalars of finished steps (those whose copy event has completed; all of
-        them when ``wait``, which syncs) and react to the first anomaly of a run of them."""
+        them when ``wait``, which syncs, until ``deadline`` if given) and react to the first
+        anomaly of a run of them."""
         while self._pending_checks:
             step, scalars, event = self._pending_checks[0]
             if event is not None:
-                if wait:
+                if wait and deadline is None:
                     event.synchronize()
+                elif wait:
+                    while not event.query():
+                        if time.monotonic() > deadline:
+                            return
+                        time.sleep(0.01)
                 elif not event.query():
                     break
             self._pending_checks.popleft()
@@ -936,12 +959,20 @@ _sigterm_installed = False
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 
 
+EXIT_TIMEOUT = 30.0  # seconds each wait at exit may take: a hung disk must not hang the exit
+
+
 @atexit.register  # registered after the writer module's handler, so it runs before it
 def _close_open_recorders() -> None:
     """At interpreter exit (training is over, also after an exception): finish every open run
-    as ``close()`` would, final parameter check included."""
+    as ``close()`` would, final parameter check included, with bounded waits. Never raises: one
+    run's failure (even with ``strict=True``) must not keep the others from closing."""
     for recorder in list(_open_recorders):
-        recorder.close()
+        try:
+            recorder.close(EXIT_TIMEOUT, at_exit=True)
+        except BaseException as exc:  # noqa: BLE001
+            warnings.warn(f"ampdoctor: closing {recorder.path} at exit failed ({type(exc).__name__}: {exc})",
+                          RuntimeWarning)
 
 
 def _install_sigterm_handler() -> None:

@@ -403,7 +403,7 @@ def _sum_of_squares(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     A float32 sum would overflow beyond 1.8e19, and a float64 reduction copies the data to
     float64 first (6x the cost on the CPU); so the values are brought near 1 by a power of two
     (exact), summed in float32, and scaled back in float64."""
-    exponent = torch.frexp(top).exponent.clamp(-125, 127)  # top < 2**exponent
+    exponent = torch.frexp(top).exponent.clamp(-125, 126)  # top < 2**exponent; 2**-exponent stays normal
     norm = torch.linalg.vector_norm(values * torch.exp2(-exponent.float()))
     return (norm.double() * torch.exp2(exponent.double())).square()
 

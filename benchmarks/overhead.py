@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -149,7 +150,8 @@ def measure(args) -> dict:
             if isinstance(v.scaler, ampdoctor.GradScaler):
                 v.scaler.close()
                 written[v.name] += sum(f.stat().st_size for f in v.path.glob("*.parquet"))
-        del variants
+        del variants, v
+        gc.collect()  # closed recorders sit in reference cycles: free the block's models (GPU memory) now
     plain = statistics.fmean(times["plain"])
     results = []
     for name in names:

@@ -250,3 +250,48 @@ def test_a_run_of_skipped_steps_waits_for_the_disk_once(tmp_path, monkeypatch):
     train_with_faults(tmp_path / "nan.parquet", _mlp(), corrupt_batch=lambda i, x, y: (x * float("nan"), y)
                       if i >= 5 else (x, y), steps=10)
     assert len(calls) == 5  # a non-finite loss always waits
+
+
+EXIT_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+import ampdoctor
+from models import MLP, NaNWritingSGD, batches, mse
+torch.manual_seed(0)
+model = MLP()
+opt = NaNWritingSGD(model.parameters(), bad_step={bad})
+abandoned = ampdoctor.GradScaler("cpu", model=model, path={abandoned!r}, amp_dtype=torch.float16)
+for x, y in batches(3):  # a run that is dropped, not closed: its scaler is gone at exit
+    abandoned.scale(mse(model, x, y)).backward(); abandoned.step(opt); abandoned.update(); opt.zero_grad()
+del abandoned
+scaler = ampdoctor.GradScaler("cpu", model=model, path={path!r}, amp_dtype=torch.float16, start_step=3)
+for i, (x, y) in enumerate(batches(20), start=3):
+    scaler.scale(mse(model, x, y)).backward()
+    scaler.step(opt)  # at step {bad} the optimizer writes a NaN into fc2.weight
+    if i == {bad}:
+        raise RuntimeError("the job dies between step() and update()")
+    scaler.update()
+    opt.zero_grad()
+"""
+
+
+def test_exit_checks_the_parameters_once_more(tmp_path):
+    """Training dies between ``step()`` and ``update()`` of an unsampled step whose optimizer wrote
+    a NaN: the check at interpreter exit records it at that step, and the postmortem names it.
+    A scaler dropped earlier gets no check at exit (its run must not describe the later weights)."""
+    bad = 7
+    path, abandoned = tmp_path / "run.parquet", tmp_path / "abandoned.parquet"
+    script = EXIT_SCRIPT.format(tests=str(Path(__file__).resolve().parent), bad=bad, path=str(path),
+                                abandoned=str(abandoned))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "between step() and update()" in result.stderr
+    assert "Exception ignored" not in result.stderr and "closing" not in result.stderr
+    frame = ampdoctor.load(path)
+    totals = frame[(frame.kind == "param") & (frame.name == "")]
+    assert list(totals.step) == [bad] and totals.amax.isna().all()  # step 3 is not sampled (every=100)
+    pm = ampdoctor.postmortem(path)
+    assert pm["cause"] == "nonfinite_weights" and pm["origin"] == {"name": "fc2.weight", "kind": "param",
+                                                                    "rank": 0, "step": bad}
+    old = ampdoctor.load(abandoned)
+    assert list(old[old.kind == "param"].step) == [0]  # the sampled step only

@@ -117,7 +117,7 @@ def _first_event(steps: pd.DataFrame, params: pd.DataFrame) -> Event | None:
         candidates.append(Event(int(r["step"]), int(r["rank"]), "nonfinite_loss",
                                 f"the loss was {r['loss_value']} at step {int(r['step'])} on rank {int(r['rank'])}"))
     totals = params[params["name"] == ""]
-    bad_params = totals[~np.isfinite(totals["amax"])]
+    bad_params = totals[~np.isfinite(totals["amax"])].sort_values(["step", "rank"], kind="stable")
     if len(bad_params):
         r = bad_params.iloc[0]
         checked, rank = int(r["step"]), int(r["rank"])
@@ -148,9 +148,9 @@ def _last_applied_step(steps: pd.DataFrame, step: int, rank: int) -> int:
     if not len(applied):
         return step
     last = int(applied["step"].iloc[-1])
-    between = mine[mine["step"] > last]["step"].to_numpy()
+    between = np.unique(mine[mine["step"] > last]["step"].to_numpy())
     # Only a gap-free run of recorded, skipped steps proves the parameters did not change.
-    return last if len(between) == step - last else step
+    return last if np.array_equal(between, np.arange(last + 1, step + 1)) else step
 
 
 def _skip_run(merged: pd.DataFrame) -> Event | None:
@@ -197,9 +197,12 @@ def _classify(a: Analysis, steps, params, event: Event, rows: pd.DataFrame, note
         bad = at[~np.isfinite(at["amax"])]
         name = bad["name"].iloc[0] if len(bad) else ""
         step_row = steps[(steps["step"] == event.step) & (steps["rank"] == event.rank)]
-        grads_finite = bool(len(step_row)) and not bool(step_row["grads_bad"].iloc[0])
+        grads_finite = (not bool(step_row["grads_bad"].iloc[0])) if len(step_row) else None
         evidence.update({"parameters": bad["name"].tolist()[:10], "gradients_finite": grads_finite})
-        if grads_finite:
+        if grads_finite is None:
+            notes.append(f"step {event.step} has no step row (training stopped between step() and update()), so "
+                         "its gradients are unknown; the check at exit saw the parameters its optimizer left")
+        if grads_finite is not False:
             return "nonfinite_weights", _origin(name, "param", event.rank, event.step), evidence
         notes.append("the gradients of that step were not finite either; the scaler should have skipped it")
         return "unknown", _origin(name, "param", event.rank, event.step), evidence
@@ -361,7 +364,7 @@ def _advice(cause: str, origin: dict | None, evidence: dict, a: Analysis) -> lis
     fp32 = f"keep {where} in float32: `with torch.autocast(device_type, enabled=False): ...` around its call " \
            f"(and cast its input with `.float()`)"
     out: list[str] = []
-    large = evidence.get("large_parameters") or []
+    large = [p for p in evidence.get("large_parameters") or [] if p["amax"] is not None]  # finite ones
     if large and cause in ("forward_overflow", "unknown"):
         p = large[0]
         out.append(f"`{p['name']}` holds values up to {p['amax']:.3g}, beyond float16's max 65504: autocast casts "
