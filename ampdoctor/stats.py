@@ -285,12 +285,12 @@ def _cpu_light_stats(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tor
         pairs.append(extremes(t))
     norms, top = torch.stack(norms), peak_magnitudes(pairs, tensors[0].device)
     # Squares in float32 (here and in torch's own norms) vanish below ~1e-19 and overflow beyond
-    # ~1.8e19. The rare tensor whose peak is that far from 1 is divided by its peak first (reading
-    # CPU values is no device sync), so its norm is right unless the norm itself is out of range.
+    # ~1.8e19. The rare tensor whose peak is that far from 1 is rescaled first (reading CPU
+    # values is no device sync), so its norm is right unless the norm itself is out of range.
     risky = ((top > 0) & (top < _DOT_SAFE_BELOW)) | ((top > _DOT_SAFE_ABOVE) & torch.isfinite(top))
     if risky.any():
         for i in risky.nonzero().flatten().tolist():
-            norms[i] = top[i] * torch.linalg.vector_norm(tensors[i].float() / top[i])
+            norms[i] = _rescaled_norm(tensors[i].float(), top[i])
     return norms, top
 
 
@@ -395,17 +395,17 @@ def _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, a
         top = values.max()
         amax[slot] = torch.maximum(amax[slot], top)
         amin_code[slot] = torch.minimum(amin_code[slot], nonzero_code[part].min())
-        sumsq[slot] += _sum_of_squares(values, top)
+        sumsq[slot] += _rescaled_norm(values, top).square()
 
 
-def _sum_of_squares(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """float64 sum of squares of finite float32 ``values`` whose largest magnitude is ``top``.
-    A float32 sum would overflow beyond 1.8e19, and a float64 reduction copies the data to
-    float64 first (6x the cost on the CPU); so the values are brought near 1 by a power of two
-    (exact), summed in float32, and scaled back in float64."""
+def _rescaled_norm(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """float64 L2 norm of finite float32 ``values`` whose largest magnitude is ``top``. Squares
+    in float32 overflow beyond 1.8e19 and vanish below 1e-19, and a float64 reduction copies the
+    data to float64 first (6x the cost on the CPU); so the values are brought near 1 by a power of
+    two (exact), summed in float32, and scaled back in float64."""
     exponent = torch.frexp(top).exponent.clamp(-125, 126)  # top < 2**exponent; 2**-exponent stays normal
     norm = torch.linalg.vector_norm(values * torch.exp2(-exponent.float()))
-    return (norm.double() * torch.exp2(exponent.double())).square()
+    return norm.double() * torch.exp2(exponent.double())
 
 
 def extremes(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
