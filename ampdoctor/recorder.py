@@ -404,7 +404,7 @@ class Recorder:
             stats = tensor_stats([tensor], inv_scale=inv,
                                  subnormal_below=float_format(tensor.dtype).smallest_normal,
                                  hist_min_exp=self.options.hist_min_exp,
-                                 hist_bins=self.options.hist_bins, layouts=self._layouts)
+                                 hist_bins=self.options.hist_bins, layouts=self._layouts, lines="features")
         self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype),
                                             tensor.numel(), stats))
 
@@ -728,7 +728,7 @@ class Recorder:
             META_TORCH_VERSION: torch.__version__, **self._scaler_meta,
             "amp.dtype": self.amp_dtype, "world_size": str(self.world_size),
             "hist.min_exp": str(self.options.hist_min_exp), "hist.bins": str(self.options.hist_bins),
-            "run.id": self.run_id, "run.started": self.started,
+            "run.id": self.run_id, "run.started": self.started, "record.level": self.options.level,
         }
 
     def _materialize(self, record: StepRecord | FlightRecord | ParamRecord):
@@ -851,14 +851,15 @@ def _light_columns(amax: np.ndarray, l2: np.ndarray | None = None) -> dict[str, 
     tensor held one), the norm where measured; the rest null."""
     nulls = np.full(len(amax), None, dtype=object)
     return {"amax": amax, "amin": nulls, "l2": nulls if l2 is None else l2, "n_zero": nulls,
-            "n_subnormal": nulls, "n_nan": nulls, "n_inf": nulls, "hist": nulls}
+            "n_subnormal": nulls, "n_nan": nulls, "n_inf": nulls, "hist": nulls, "n_zero_lines": nulls}
 
 
 def _stat_columns(s: HostStats) -> dict[str, np.ndarray]:
     if s.light:
         return _light_columns(s.amax, s.l2)
     return {"amax": s.amax, "amin": s.amin, "l2": s.l2, "n_zero": s.n_zero,
-            "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf, "hist": s.hist}
+            "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf, "hist": s.hist,
+            "n_zero_lines": _objects(len(s.amax), [None if np.isnan(v) else int(v) for v in s.n_zero_lines])}
 
 
 def _call_columns(taps: list[TapObservation]) -> dict[str, list]:

@@ -24,7 +24,7 @@ META_RANK = "rank"
 META_KEYS = (
     META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, "scaler.class", "scaler.init_scale",
     "scaler.growth_factor", "scaler.backoff_factor", "scaler.growth_interval", "amp.dtype", "device",
-    "world_size", "hist.min_exp", "hist.bins", "run.id", "run.started",
+    "world_size", "hist.min_exp", "hist.bins", "run.id", "run.started", "record.level",
 )
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
@@ -52,6 +52,9 @@ def run_schema(hist_bins: int = HIST_BINS, metadata: dict[str, str] | None = Non
         pa.field("n_nan", pa.int64()),
         pa.field("n_inf", pa.int64()),
         pa.field("hist", pa.list_(pa.int32(), hist_bins)),
+        # Zeros lying in an all-zero row or column (structure, not underflow; stats.zero_line_elements).
+        # Null on light rows and in runs written before it existed.
+        pa.field("n_zero_lines", pa.int64()),
         # Module rows (`output`, `grad_output`) only: the module call's number in the step (in the
         # order calls began), its enclosing tapped call, and the calls whose returned tensors it
         # received as arguments. Null on other rows.

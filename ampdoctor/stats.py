@@ -63,6 +63,7 @@ class DeviceStats:
     amax: torch.Tensor       # float32 [slots]: the largest finite magnitude
     amin_code: torch.Tensor  # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
     sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values
+    line_zeros: torch.Tensor  # int64 [slots]: zeros lying in an all-zero row or column (zero_line_elements)
     hist_min_exp: int
     bins: int
 
@@ -76,7 +77,7 @@ class DeviceStats:
         if self.counts.device.type == "cpu":
             return self
         return DeviceStats(*(to_host(t, non_blocking) for t in
-                             (self.counts, self.amax, self.amin_code, self.sumsq)),
+                             (self.counts, self.amax, self.amin_code, self.sumsq, self.line_zeros)),
                            self.hist_min_exp, self.bins)
 
 
@@ -118,6 +119,12 @@ class HostStats:
     n_nan: np.ndarray        # int64 [slots]
     n_inf: np.ndarray        # int64 [slots]
     hist: np.ndarray         # int32 [slots, bins]
+    # zeros in all-zero rows or columns (float: NaN where unknown, light rows and old runs)
+    n_zero_lines: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_zero_lines is None:
+            self.n_zero_lines = np.full(len(self.amax), np.nan)
 
     @classmethod
     def of(cls, raw: "DeviceStats | LightStats") -> "HostStats":
@@ -141,6 +148,7 @@ class HostStats:
             n_nan=codes[:, 255, 1].copy(),
             n_inf=codes[:, 255, 0].copy(),
             hist=(finite @ _binade_to_bin(raw.hist_min_exp, raw.bins)).astype(np.int32),
+            n_zero_lines=raw.line_zeros.numpy().astype(np.float64),
         )
 
     @classmethod
@@ -178,6 +186,7 @@ class HostStats:
             n_zero=np.array([self.n_zero.sum()]), n_subnormal=np.array([self.n_subnormal.sum()]),
             n_nan=np.array([self.n_nan.sum()]), n_inf=np.array([self.n_inf.sum()]),
             hist=self.hist.sum(axis=0, keepdims=True, dtype=np.int64).astype(np.int32),
+            n_zero_lines=np.array([self.n_zero_lines.sum()]),
         )
 
     @staticmethod
@@ -303,11 +312,13 @@ def tensor_stats(
     hist_min_exp: int = HIST_MIN_EXP,
     hist_bins: int = HIST_BINS,
     layouts: SlotLayouts | None = None,
+    lines: str = "rows",
 ) -> DeviceStats:
     """Full statistics of ``tensors`` (one device, one dtype; they hold *scaled* values).
 
     ``inv_scale`` is the 0-dim float32 reciprocal of the loss scale on the same device (None when
-    scaling is off); ``subnormal_below`` is the AMP format's smallest normal. Does not sync.
+    scaling is off); ``subnormal_below`` is the AMP format's smallest normal; ``lines`` how the
+    zero lines are counted (:func:`zero_line_elements`). Does not sync.
     """
     if not tensors:
         raise ValueError("tensor_stats needs at least one tensor")
@@ -318,6 +329,7 @@ def tensor_stats(
     amax = torch.zeros(n_slots, dtype=torch.float32, device=device)
     amin_code = torch.full((n_slots,), _ABS_MASK, dtype=torch.int32, device=device)
     sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
+    line_zeros = _line_zeros(tensors, per_tensor, lines)
     if inv_scale is not None:
         # A scale of 0 (collapsed) would make 0 * inf = NaN of every zero.
         inv_scale = inv_scale.clamp(max=torch.finfo(torch.float32).max)
@@ -333,7 +345,35 @@ def tensor_stats(
                                                 tuple(n for _, _, n in segments))
                 seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
             _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, amin_code, sumsq)
-    return DeviceStats(counts, amax, amin_code, sumsq, hist_min_exp, hist_bins)
+    return DeviceStats(counts, amax, amin_code, sumsq, line_zeros, hist_min_exp, hist_bins)
+
+
+def zero_line_elements(tensor: torch.Tensor, lines: str = "rows") -> torch.Tensor:
+    """0-dim int64: the elements of ``tensor`` that lie in an all-zero row or column of its 2-D
+    view (0 for a tensor of fewer than 2 dimensions). ``lines="rows"``: the view is
+    ``[shape[0], -1]`` (a weight's output units against its inputs, an embedding's rows);
+    ``"features"``: ``[-1, shape[-1]]`` (a module output's positions against its features).
+
+    Why: zeros that fill a whole line come from structure that does not depend on the loss scale
+    (an unused embedding row, a dead ReLU unit, a masked or ignored position), while an element
+    that underflows in its own rounding is a scattered zero; reports tell the two apart with this
+    count (:mod:`ampdoctor.reports.underflow`). A handful of reductions; does not sync."""
+    if tensor.dim() < 2 or tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=tensor.device)
+    view = tensor.reshape(tensor.shape[0], -1) if lines == "rows" else tensor.reshape(-1, tensor.shape[-1])
+    zero = view == 0
+    rows = zero.all(dim=1).sum()
+    cols = zero.all(dim=0).sum()
+    return rows * view.shape[1] + cols * view.shape[0] - rows * cols
+
+
+def _line_zeros(tensors: Sequence[torch.Tensor], per_tensor: bool, lines: str) -> torch.Tensor:
+    """int64 [slots]: :func:`zero_line_elements` per tensor, or summed into one slot."""
+    device = tensors[0].device
+    with torch.no_grad():
+        values = [zero_line_elements(t, lines) for t in tensors]
+    stacked = torch.stack(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
+    return stacked if per_tensor else stacked.sum(dim=0, keepdim=True)
 
 
 def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool, limit: int):

@@ -49,8 +49,10 @@ def test_underflow_is_high_and_a_larger_init_scale_is_recommended(demos):
     report = build_report(path)
     rec = report["recommendation"]
     assert report["scale"]["max"] == 1.0  # the scale never grew out of it
-    assert rec["current"]["underflow_rate"] > 0.2, rec["current"]
-    assert report["layers"][0]["underflow_rate"] > 0.5
+    # Zeros filling whole lines count as structure in the estimate and only in its upper bound.
+    assert rec["current"]["underflow_rate"] > 0.05, rec["current"]
+    top = report["layers"][0]
+    assert max(top["underflow_rate"] or 0.0, top["underflow_rate_max"]) > 0.5
     assert rec["verdict"] == "change" and rec["init_scale"] >= 2.0**10
     assert rec["predicted"]["underflow_rate"] < rec["current"]["underflow_rate"] / 100
     # Silent: nothing went non-finite, so only the report sees it.

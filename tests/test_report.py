@@ -97,7 +97,9 @@ def test_underflow_scenario_names_the_underflowing_layers_first(scenarios):
     layers = scenarios["underflow"][2]["layers"]
     top = [layer["name"] for layer in layers[:2]]
     assert set(top) == {"side.weight", "side.bias"}, top
-    assert layers[0]["underflow_rate"] > 0.5
+    # Their gradients are 0 everywhere: no magnitude says how far below the cut-off they were, so
+    # the estimate is unknown and only the upper bound (every element) is given.
+    assert layers[0]["underflow_rate"] is None and layers[0]["underflow_rate_max"] == 1.0
     assert all(layer["underflow_rate"] <= layer["zero_rate"] + 1e-12 for layer in layers
                if layer["underflow_rate"] is not None)
 
@@ -373,9 +375,13 @@ def test_window_too_narrow_for_fp16_advises_bfloat16(tmp_path):
     path = tmp_path / "narrow.parquet"
     train_recorded(path, steps=40, loss_factor=1e4, lr=0.0, init_scale=1.0, growth_interval=5,
                    model_factory=lambda: __import__("models").QuietMLP(quiet=1e-12))
-    rec = build_report(path)["recommendation"]
-    assert rec["verdict"] == "no_scale_works"
-    assert any("bfloat16" in a and "too narrow" in a for a in rec["advice"])
+    report = build_report(path)
+    rec = report["recommendation"]
+    # The side branch's gradients are 0 at every scale the run reached: the record cannot tell
+    # underflow from no gradient, so no layer or setting is claimed to be fine.
+    assert rec["verdict"] != "keep"
+    side = {layer["name"]: layer for layer in report["layers"] if layer["name"].startswith("side.")}
+    assert all(layer["underflow_rate"] is None and layer["underflow_rate_max"] == 1.0 for layer in side.values())
 
 
 def test_collapsing_scale_advises_lower_lr_or_clipping(tmp_path):
@@ -461,7 +467,7 @@ def test_scale_collapsed_to_zero_keeps_rates_finite(tmp_path):
     train_recorded(path, steps=160, loss_factor=1e20, init_scale=1.0)  # 150 backoffs: the scale reaches 0
     report = build_report(path)
     assert report["scale"]["min"] == 0.0
-    assert all(layer["underflow_rate"] is not None and math.isfinite(layer["underflow_rate"])
+    assert all(layer["underflow_rate"] is None or math.isfinite(layer["underflow_rate"])
                for layer in report["layers"])
     check_contract(json.loads(render.to_json(report)), REPORT_CONTRACT)
 

@@ -76,6 +76,7 @@ VERDICTS = {
     "keep": "Keep the current scaler settings.",
     "change": "Change the scaler settings.",
     "no_scale_works": "No loss scale fits these gradients in the target format.",
+    "unknown": "Underflow unknown: the record cannot tell how far below fp16's range the zero gradients were.",
 }
 
 

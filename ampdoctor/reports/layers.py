@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from ..formats import FloatFormat, float_format
 from ..run import Run, _empty_table, kind_mask
-from .underflow import lost_at_cutoff
+from .underflow import underflow_bounds
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
 SORTS = {"underflow": ("underflow_rate", False), "headroom": ("headroom_log2", True), "amax": ("amax", False)}
@@ -36,9 +36,11 @@ HEATMAP_BUCKETS = 200  # step columns of the heatmap at most
 LOW_QUANTILE = 0.10    # the heatmap's "low" magnitude: this quantile of the nonzero elements
 
 STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
-                "n_nan", "n_inf", "hist"]
+                "n_nan", "n_inf", "hist", "n_zero_lines"]
 _COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "n_zero",
-            "n_subnormal", "n_nan", "n_inf", "hist"]
+            "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines"]
+# Rows of _Accumulator.sums.
+_NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED = range(8)
 
 
 @dataclass
@@ -96,7 +98,7 @@ class _Accumulator:
         self.ids: dict[tuple[str, str], int] = {}
         self.dtypes: list[str] = []
         self.columns = columns
-        self.sums = np.zeros((6, 16))          # numel, n_zero, n_subnormal, lost, observations, nonfinite
+        self.sums = np.zeros((8, 16))          # indexed by _NUMEL .. _JUDGED
         self.amax = np.full(16, -np.inf)
         self.amin = np.full(16, np.inf)
         self.headroom = np.full(16, np.inf)
@@ -105,6 +107,7 @@ class _Accumulator:
         self.low = np.full((16, columns), np.inf)
         self.param_lost = np.zeros(span)
         self.param_zero = np.zeros(span)
+        self.param_unknown = np.zeros(span)     # zeros of gradients with no nonzero value (unknown)
         self.param_seen = np.zeros(span, dtype=bool)
         self.module_peak = np.full(span, -np.inf)
 
@@ -145,7 +148,8 @@ class _Accumulator:
         dtypes, dtype_idx = _dictionary(batch.column("dtype"))
         formats = [_format_or_none(d) or amp for d in dtypes]
         col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
-               ("step", "scale", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf")}
+               ("step", "scale", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf",
+                "n_zero_lines")}
         hist = _hist_matrix(batch.column("hist"), bins)
         param = kind == "param_grad"
         output = kind == "output"
@@ -162,8 +166,13 @@ class _Accumulator:
         usable = ~nonfinite & np.isfinite(amax)
         with np.errstate(divide="ignore", invalid="ignore"):
             cut = np.log2(below / scale)
-            lost = np.where(full, lost_at_cutoff(hist, np.nan_to_num(col["n_zero"]),
-                                                 np.nan_to_num(col["n_subnormal"]), cut, min_exp), 0.0)
+            estimate, upper = underflow_bounds(hist, np.nan_to_num(col["n_zero"]), np.nan_to_num(col["n_subnormal"]),
+                                               cut, min_exp, col["n_zero_lines"].astype(np.float64))
+            # Activations are not loss-scaled: no underflow estimate for output rows. A row whose
+            # estimate is unknown (every element 0) counts only towards the upper bound.
+            judged = full & ~output & ~np.isnan(estimate)
+            lost = np.where(judged, estimate, 0.0)
+            upper = np.where(full & ~output, upper, 0.0)
             headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
             high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
                             -np.inf)
@@ -173,7 +182,7 @@ class _Accumulator:
         finite_amax = np.where(usable, amax, -np.inf)
         n = len(self.ids)
         for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
-                                    full, nonfinite)):
+                                    full, nonfinite, upper, np.where(judged, col["numel"], 0))):
             values = np.nan_to_num(np.asarray(values, dtype=np.float64))
             self.sums[i, :n] += np.bincount(layer, weights=values, minlength=n)
         np.maximum.at(self.amax, layer, finite_amax)
@@ -187,8 +196,12 @@ class _Accumulator:
         pf = p & full
         np.add.at(self.param_lost, offset[pf], lost[pf])
         np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
+        np.add.at(self.param_unknown, offset[pf], np.where(judged[pf], 0.0, np.nan_to_num(col["n_zero"][pf])))
         self.param_seen[offset[pf]] = True
-        g = (kind == "grad_output") & inside
+        # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
+        # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
+        in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
+        g = (kind == "grad_output") & inside & in_amp
         np.maximum.at(self.module_peak, offset[g], finite_amax[g])
         column = np.clip(offset // width, 0, self.columns - 1)
         np.maximum.at(self.high, (layer[p], column[p]), np.where(np.isnan(high[p]), -np.inf, high[p]))
@@ -198,23 +211,27 @@ class _Accumulator:
         n = len(self.ids)
         keys = list(self.ids)
         sums = self.sums[:, :n]
-        numel = np.where(sums[4] > 0, np.maximum(sums[0], 1), np.nan)  # no full row: rates unknown
+        numel = np.where(sums[_OBSERVED] > 0, np.maximum(sums[_NUMEL], 1), np.nan)  # no full row: rates unknown
+        judged = np.where(sums[_JUDGED] > 0, sums[_JUDGED], np.nan)  # no row with a known estimate: unknown
+        is_output = np.array([k[1] == "output" for k in keys], dtype=bool)
         layers = pd.DataFrame({
             "name": pd.Series([k[0] for k in keys], dtype=object),
             "kind": pd.Series([k[1] for k in keys], dtype=object),
-            "underflow_rate": sums[3] / numel, "zero_rate": sums[1] / numel, "subnormal_rate": sums[2] / numel,
+            "underflow_rate": sums[_LOST] / judged,
+            "underflow_rate_max": np.where(is_output, np.nan, sums[_UPPER] / numel),
+            "zero_rate": sums[_ZERO] / numel, "subnormal_rate": sums[_SUBNORMAL] / numel,
             "headroom_log2": _inf_to_nan(self.headroom[:n]), "amax": _inf_to_nan(self.amax[:n]),
-            "amin": _inf_to_nan(self.amin[:n]), "observations": sums[4].astype(int),
-            "nonfinite": sums[5].astype(int)})
+            "amin": _inf_to_nan(self.amin[:n]), "observations": sums[_OBSERVED].astype(int),
+            "nonfinite": sums[_NONFINITE].astype(int)})
         steps = first_step + np.arange(len(self.param_lost))
         seen = self.param_seen
-        param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen]},
-                                  index=steps[seen])
+        param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen],
+                                   "unknown": self.param_unknown[seen]}, index=steps[seen])
         peak = self.module_peak > -np.inf
         module_peak = pd.Series(self.module_peak[peak], index=steps[peak])
         outputs = [i for i, k in enumerate(keys) if k[1] == "output"]
         activation_peak = pd.DataFrame({"amax": _inf_to_nan(self.output_peak[outputs]),
-                                        "nonfinite": sums[5][outputs].astype(int),
+                                        "nonfinite": sums[_NONFINITE][outputs].astype(int),
                                         "dtype": [self.dtypes[i] for i in outputs]},
                                        index=[keys[i][0] for i in outputs])
         heat = {name: (_inf_to_nan(self.high[i]), _inf_to_nan(self.low[i]))
@@ -266,10 +283,15 @@ def sort_layers(layers: pd.DataFrame, by: str = "underflow") -> pd.DataFrame:
     if by not in SORTS:
         raise ValueError(f"sort must be one of {sorted(SORTS)}, got {by!r}")
     column, ascending = SORTS[by]
+    if column == "underflow_rate":
+        # An unknown estimate sorts by its upper bound: worst possible first.
+        layers = layers.assign(_key=layers["underflow_rate"].fillna(layers["underflow_rate_max"]))
+        column = "_key"
     # Ties (e.g. no underflow anywhere) fall back to the least headroom, then the name.
     keys = [column, "headroom_log2", "name"] if column != "headroom_log2" else [column, "name"]
     orders = [ascending, True, True] if column != "headroom_log2" else [True, True]
-    return layers.sort_values(keys, ascending=orders, na_position="last", kind="stable").reset_index(drop=True)
+    out = layers.sort_values(keys, ascending=orders, na_position="last", kind="stable").reset_index(drop=True)
+    return out.drop(columns=["_key"], errors="ignore")
 
 
 def layer_records(layers: pd.DataFrame) -> list[dict]:
@@ -277,6 +299,7 @@ def layer_records(layers: pd.DataFrame) -> list[dict]:
     out = []
     for r in layers.itertuples(index=False):
         out.append({"name": r.name, "kind": r.kind, "underflow_rate": _finite_or_none(r.underflow_rate),
+                    "underflow_rate_max": _finite_or_none(r.underflow_rate_max),
                     "zero_rate": _finite_or_none(r.zero_rate), "subnormal_rate": _finite_or_none(r.subnormal_rate),
                     "headroom_log2": _finite_or_none(r.headroom_log2), "amax": _finite_or_none(r.amax),
                     "amin": _finite_or_none(r.amin), "observations": int(r.observations),

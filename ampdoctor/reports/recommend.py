@@ -7,11 +7,18 @@ replayed on the recorded steps (:mod:`ampdoctor.reports.simulate`). Its cost is
 second pass over the recorded steps, continuing from the first pass's scaler state, so that a
 setting that only looks good because the run ended before its scale grew back into overflow (a
 low init_scale with a short growth_interval) is not chosen. Within the same format a candidate may not
-predict more underflow than the current settings (beyond 10%). Among candidates within half a step
-of the best cost, one that stays at least :data:`MARGIN_LOG2` binades below the overflow threshold
-on every applied step wins (gradients grow and vary: a setting right at the edge of the recorded
-ones overflows on the next spike); then the one that changes fewest settings; then the highest
-scale (least underflow); then the growth_interval closest to torch's default.
+predict more underflow than the current settings, beyond :data:`UNDERFLOW_TOLERANCE` (absolute)
+or 10% of it, whichever is larger. Among candidates within half a step of the best cost, one that
+stays at least :data:`MARGIN_LOG2` binades below the overflow threshold on every applied step wins
+(gradients grow and vary: a setting right at the edge of the recorded ones overflows on the next
+spike); then the one that changes fewest settings; then torch's defaults; then the highest scale
+(least underflow); then the growth_interval closest to torch's default.
+
+The verdict is ``keep`` when the current settings win, ``change`` otherwise, ``no_scale_works``
+only when the winner still skips or underflows badly and no candidate avoids every avoidable skip
+within the underflow cap, and ``unknown`` when the underflow at the recorded scale cannot be
+estimated at all (every recorded gradient element was 0: nothing says how far below the cut-off
+they were), in which case no underflow is predicted for any setting.
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .formatting import percent, scale_str
-from .simulate import Outcome, Replay, ScalerConfig, replay
+from .simulate import Outcome, Replay, ScalerConfig, known_or_none, replay
 
 UNDERFLOW_WEIGHT = 10.0
 INIT_EXPONENTS = range(0, 25)
 GROWTH_INTERVALS = (100, 200, 500, 1000, 2000, 5000, 10000)
 GROWTH_FACTORS = (2.0,)
 BACKOFF_FACTORS = (0.5, 0.25)
-UNDERFLOW_SLACK = 1.10        # "no worse" than the current settings, within this factor
+UNDERFLOW_SLACK = 1.10        # "no worse" than the current settings, within this factor ...
+UNDERFLOW_TOLERANCE = 1e-3    # ... or this many elements per element (0.1 percentage points), if larger
 NEAR = 0.5                    # cost tolerance, in steps
 MARGIN_LOG2 = 2.0             # binades a recommended scale keeps below the overflow threshold
 BAD_SKIPPED = 0.05            # a fraction of skipped steps that no setting should leave
@@ -68,24 +76,29 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     outcomes = replay(prepared, candidates(current), passes=2)
     baseline = replay(prepared, [base])[0]
     same_format = series.fmt.name == prepared.target.name
-    cap = baseline.underflow_rate * UNDERFLOW_SLACK + 1e-9 if same_format and current is not None else math.inf
+    known = bool(np.isfinite(baseline.underflow_rate))
+    cap = (baseline.underflow_rate + max(UNDERFLOW_TOLERANCE, baseline.underflow_rate * (UNDERFLOW_SLACK - 1))
+           if same_format and current is not None and known else math.inf)
     scored = [Candidate(o, o.skipped_steps + o.steady_skipped + o.uncertain_steps
-                        + UNDERFLOW_WEIGHT * n * o.underflow_rate,
-                        _changed(o.config, base)) for o in outcomes]
-    feasible = [c for c in scored if c.outcome.underflow_rate <= cap] or scored
+                        + UNDERFLOW_WEIGHT * n * _rate(o), _changed(o.config, base)) for o in outcomes]
+    feasible = [c for c in scored if _rate(c.outcome) <= cap] or scored
     best = min(c.cost for c in feasible)
     near = [c for c in feasible if c.cost <= best + NEAR]
     default = ScalerConfig()
     chosen = min(near, key=lambda c: (max(0.0, MARGIN_LOG2 - c.outcome.margin_log2), c.changed,
+                                      _changed(c.outcome.config, default) > 0,
                                       -c.outcome.median_log2_scale,
                                       abs(math.log(c.outcome.config.growth_interval / default.growth_interval)),
                                       c.cost))
     pick = chosen.outcome
     cfg = pick.config
     # Steps with a non-finite loss are skipped at any scale: no setting is judged by them.
-    avoidable = pick.skipped_steps - int(series.forced.sum())
-    skipped_fraction = avoidable / n if n else 0.0
-    if skipped_fraction > BAD_SKIPPED or pick.underflow_rate > BAD_UNDERFLOW:
+    forced = int(series.forced.sum())
+    skipped_fraction = (pick.skipped_steps - forced) / n if n else 0.0
+    clean_exists = any(o.skipped_steps - forced == 0 and _rate(o) <= cap for o in outcomes)
+    if not known:
+        verdict = "unknown"
+    elif (skipped_fraction > BAD_SKIPPED or _rate(pick) > BAD_UNDERFLOW) and not clean_exists:
         verdict = "no_scale_works"
     elif current is not None and chosen.changed == 0:
         verdict = "keep"
@@ -98,15 +111,23 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
         "growth_interval": int(cfg.growth_interval), "target_dtype": prepared.target.name, "verdict": verdict,
         "code": cfg.code(device, current),
         "reasons": reasons, "advice": advice,
-        "current": {"skipped_steps": int(actual["skipped_steps"]), "underflow_rate": float(actual["underflow_rate"])},
-        "predicted": {"skipped_steps": pick.skipped_steps, "underflow_rate": pick.underflow_rate,
+        "current": {"skipped_steps": int(actual["skipped_steps"]), "underflow_rate": actual["underflow_rate"]},
+        "predicted": {"skipped_steps": pick.skipped_steps, "underflow_rate": known_or_none(pick.underflow_rate),
                       "uncertain_steps": pick.uncertain_steps},
         "baseline": {"config": base.to_dict(), "skipped_steps": baseline.skipped_steps,
-                     "underflow_rate": baseline.underflow_rate},
+                     "underflow_rate": known_or_none(baseline.underflow_rate)},
     }
 
 
-def _underflow(rate: float) -> str:
+def _rate(outcome: Outcome) -> float:
+    """The underflow rate for comparing candidates: an unknown one (NaN) compares as 0, since
+    then every candidate's is unknown alike."""
+    return outcome.underflow_rate if np.isfinite(outcome.underflow_rate) else 0.0
+
+
+def _underflow(rate: float | None) -> str:
+    if rate is None or not np.isfinite(rate):
+        return "an unknown underflow"
     return "no underflow" if rate == 0 else f"{percent(rate)} underflow"
 
 
@@ -128,7 +149,10 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
             out.append(f"{after_growth} of the {int(series.skipped.sum())} skipped steps came right after the scale "
                        f"grew (growth_interval={current.growth_interval}): the scale keeps growing back into "
                        f"overflow")
-        if actual["underflow_rate"] > 1e-4:
+        if actual["underflow_rate"] is None:
+            out.append(f"at the recorded scales (median {scale_str(float(np.median(series.scale)))}) most gradient zeros "
+                       f"were in gradients that were 0 everywhere: how many underflowed cannot be told from the record")
+        elif actual["underflow_rate"] > 1e-4:
             out.append(f"at the recorded scales an estimated {percent(actual['underflow_rate'])} of gradient elements "
                        f"underflowed to zero (median scale {scale_str(float(np.median(series.scale)))})")
     out.append(f"overflow starts where the largest gradient times the scale reaches about "
@@ -138,6 +162,7 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
                    f"{_underflow(pick.underflow_rate)}")
     else:
         underflow = (f"still {_underflow(0)}" if pick.underflow_rate == actual["underflow_rate"] == 0 else
+                     "an underflow the record cannot predict" if actual["underflow_rate"] is None else
                      f"{_underflow(pick.underflow_rate)} instead of {_underflow(actual['underflow_rate'])}")
         out.append(f"with {cfg.settings(current)} the replay predicts "
                    f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and {underflow}"
@@ -161,6 +186,11 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
         out.append(f"`{module}` produced activations up to {peak:.3g}, beyond {prepared.target.name}'s max "
                    f"{prepared.target.max:g}: its output overflows at any loss scale; keep it in float32 with "
                    f"`torch.autocast(device_type, enabled=False)` or train in bfloat16")
+    if verdict == "unknown":
+        out.append(f"most gradient zeros at scale {scale_str(float(np.median(series.scale)))} are in gradients that were 0 "
+                   f"everywhere, so whether they underflowed or get no gradient at all cannot be told from the "
+                   f"record (the layers table gives their upper bound). If they should learn, raise init_scale "
+                   f"(torch's default is 2**16) or scale the loss up, and record again")
     if verdict == "no_scale_works":
         good = series.amax[series.amax > 0]
         span = (f" (gradients span 2**{np.log2(good.min()):.0f} to 2**{np.log2(good.max()):.0f})"

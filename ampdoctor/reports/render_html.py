@@ -510,6 +510,8 @@ def postmortem_html(pm: dict) -> str:
     if pm.get("status") == "healthy":
         sections = [("verdict", "Verdict", "<p><strong>healthy</strong>: no non-finite loss, parameter or run "
                                            "of skipped steps.</p>" + _bullets(pm.get("notes") or []))]
+        if pm.get("advice"):
+            sections.append(("advice", "Worth a look", _bullets(pm["advice"])))
         return _page("ampdoctor postmortem", path, sections)
     origin = pm.get("origin") or {}
     items = [("cause", f"<strong>{_e(pm.get('cause'))}</strong>"),

@@ -87,14 +87,15 @@ def _missing_note(missing: dict, section: str) -> list[str]:
 
 
 def _layer_table(layers: Sequence[dict]) -> list[str]:
-    headers = ["#", "layer", "kind", "underflow", "zeros", "subnormal", "headroom (binades)",
+    headers = ["#", "layer", "kind", "underflow", "at most", "zeros", "subnormal", "headroom (binades)",
                "amax", "amin", "observations"]
     rows = [[i, layer.get("name", ""), layer.get("kind", ""), percent(layer.get("underflow_rate")),
+             percent(layer.get("underflow_rate_max")),
              percent(layer.get("zero_rate")), percent(layer.get("subnormal_rate")),
              binades(layer.get("headroom_log2")),
              number(layer.get("amax")), number(layer.get("amin")), layer.get("observations", "—")]
             for i, layer in enumerate(layers, 1)]
-    return _table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9), code=(1, 2))
+    return _table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2))
 
 
 def _run_section(run: dict) -> list[str]:
@@ -255,6 +256,8 @@ def postmortem_markdown(pm: dict) -> str:
     out = ["# ampdoctor postmortem", "", f"- **run**: {_code(run.get('path', ''), in_table=False)}", ""]
     if pm.get("status") == "healthy":
         out += ["**healthy**: no non-finite loss, parameter or run of skipped steps.", ""]
+        if pm.get("advice"):
+            out += ["## Worth a look", ""] + _bullets(pm["advice"]) + [""]
         out += _bullets(pm.get("notes") or [])
         return "\n".join(out).rstrip() + "\n"
     origin = pm.get("origin") or {}

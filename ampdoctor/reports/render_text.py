@@ -67,10 +67,12 @@ def _wrap(text: str, indent: str = "  - ", width: int = WIDTH) -> list[str]:
 def layers_table(layers: list[dict], top: int | None = None) -> list[str]:
     """The per-layer table (fits 100 columns; long names are clipped from the left)."""
     rows = layers if top is None else layers[:top]
-    head = f"{'layer':<40} {'kind':<11} {'underflow':>9} {'zero':>8} {'subnorm':>8} {'headroom':>8} {'amax':>8}"
+    head = (f"{'layer':<31} {'kind':<11} {'underflow':>9} {'at most':>8} {'zero':>8} {'subnorm':>8} {'headroom':>8} "
+            f"{'amax':>8}")
     lines = [head]
     for r in rows:
-        lines.append(f"{_clip(r['name'], 40):<40} {r['kind']:<11} {percent(r['underflow_rate']):>9} "
+        lines.append(f"{_clip(r['name'], 31):<31} {r['kind']:<11} {percent(r['underflow_rate']):>9} "
+                     f"{percent(r.get('underflow_rate_max')):>8} "
                      f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
     if top is not None and len(layers) > top:
@@ -115,7 +117,7 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
     if rec is None:
         out += _wrap(missing.get("recommendation", "not enough data"), "  ")
     else:
-        out.append("  " + VERDICTS[rec["verdict"]])
+        out.append("  " + VERDICTS.get(rec["verdict"], rec["verdict"]))
         out.append("  " + _style(rec["code"], color, fg="cyan", bold=True))  # one line: pasteable
         cur, pred = rec["current"], rec["predicted"]
         out.append(f"  predicted: {pred['skipped_steps']} skipped step(s) instead of {cur['skipped_steps']}; "
@@ -157,7 +159,7 @@ def simulate_text(sim: dict) -> str:
         lines.append(f"{sim['uncertain_steps']} more step(s) may also overflow: their magnitude is only a lower bound")
     lines.append(f"overflow threshold: largest gradient x scale > 2**{sim['threshold']['overflow_log2']:.1f} "
                  f"({sim['threshold']['source']})")
-    top = [layer for layer in sim["layers"] if layer["underflow_rate"] > 0][:10]
+    top = [layer for layer in sim["layers"] if layer["underflow_rate"] is None or layer["underflow_rate"] > 0][:10]
     if top:
         lines += ["", "layers that would underflow:"]
         lines += [f"  {_clip(layer['name'], 60):<60} {percent(layer['underflow_rate']):>9}" for layer in top]
@@ -179,7 +181,8 @@ CAUSE_TITLES = {
     "nonfinite_input": "a non-finite value came in with the data (non-finite input)",
     "scale_collapse": "repeated overflow drove the loss scale toward zero (scale collapse)",
     "divergence": "the loss and gradient norm grew until they overflowed (divergence)",
-    "nonfinite_weights": "the optimizer wrote non-finite parameters (non-finite weights)",
+    "nonfinite_weights": "the parameters became non-finite during training (non-finite weights)",
+    "nonfinite_checkpoint": "the parameters were non-finite before the first step (non-finite checkpoint)",
     "unknown": "the data recorded cannot tell (unknown)",
 }
 
@@ -199,7 +202,10 @@ def postmortem_text(pm: dict, color: bool = False) -> str:
            f"{run['steps']} steps, {run['ranks']} rank(s), level {run['level']}", ""]
     if pm["status"] == "healthy":
         out.append(_style("healthy: no non-finite loss, parameter or run of skipped steps", color, fg="green"))
-        out += _wrap(pm["notes"][0], "note: ") if pm["notes"] else []
+        for item in pm["advice"]:
+            out += _wrap(item, "but: ")
+        for note in pm["notes"]:
+            out += _wrap(note, "note: ")
         return "\n".join(out)
     origin = pm["origin"] or {}
     out.append(_style(f"{pm['cause']}: {CAUSE_TITLES[pm['cause']]}", color, fg="red", bold=True))

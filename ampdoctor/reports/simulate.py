@@ -43,6 +43,7 @@ from .underflow import UnderflowModel, lost_at_cutoff
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 GRID = np.arange(-40, 81, dtype=np.float64)  # log2 scales at which per-step underflow is tabulated
+UNKNOWN_SHARE = 0.5  # a step whose zeros are mostly in all-zero gradients has an unknown underflow
 
 
 
@@ -119,6 +120,7 @@ class StepSeries:
     min_exp: int
     sample_scale: np.ndarray | None = None   # per step: the scale n_zero/hist were measured at (default: scale)
     lost_fraction: np.ndarray | None = None  # per step: of the zeros, the share estimated lost to underflow
+    n_zero_lines: np.ndarray | None = None   # per step: zeros in all-zero lines (NaN where not recorded)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -133,7 +135,8 @@ class StepSeries:
         if self.lost_fraction is not None:
             at_cut = self.n_zero * self.lost_fraction
         else:
-            at_cut = lost_at_cutoff(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2, self.min_exp)
+            at_cut = lost_at_cutoff(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2, self.min_exp,
+                                    self.n_zero_lines)
         return UnderflowModel(self.hist, self.recorded_cut_log2, at_cut, self.min_exp)
 
     def lost_at_recorded(self) -> np.ndarray:
@@ -165,7 +168,8 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
                       nonfinite=("nonfinite", "any"),
                       amax=("amax", "max"), l2=("l2", "max"), loss=("loss", "mean"),
                       loss_recorded=("loss_recorded", "any"), numel=("numel", "sum"),
-                      n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"), sampled=("sampled", "any"))
+                      n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"), sampled=("sampled", "any"),
+                      n_zero_lines=("n_zero_lines", lambda c: c.sum(min_count=1)))
     codes = grouped.ngroup().to_numpy()
     merged_hist = np.zeros((len(agg), bins))
     np.add.at(merged_hist, codes, hist[frame["_row"].to_numpy()])
@@ -182,7 +186,8 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
         forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=f64("l2"),
         loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=numel,
         n_zero=n_zero[source] * ratio, n_subnormal=n_subnormal[source] * ratio, hist=merged_hist[source] * ratio[:, None],
-        ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source])
+        ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source],
+        n_zero_lines=f64("n_zero_lines")[source] * ratio)
 
 
 def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
@@ -201,7 +206,14 @@ def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
     the share of its zeros that were lost at the nearest sampled step at or before it."""
     if param_lost is None or param_lost.empty:
         return
-    share = (param_lost["lost"] / param_lost["n_zero"].where(param_lost["n_zero"] > 0)).fillna(0.0)
+    lost, zeros = param_lost["lost"], param_lost["n_zero"]
+    unknown = param_lost["unknown"] if "unknown" in param_lost else 0.0 * lost
+    # A gradient that is 0 everywhere has no magnitude to judge by: next to gradients of the same
+    # step that did underflow it counts as underflowed too; when it holds most of a step's zeros and
+    # nothing else underflowed, the step's underflow is unknown (NaN).
+    lost = lost + unknown.where(lost > 0, 0.0)
+    share = (lost / zeros.where(zeros > 0)).fillna(0.0)
+    share = share.where(~((lost == 0) & (unknown > UNKNOWN_SHARE * zeros)), np.nan)
     share = share.reindex(series.steps).ffill().bfill()
     series.lost_fraction = share.to_numpy(dtype=np.float64)
 
@@ -311,7 +323,7 @@ class Outcome:
     def to_dict(self, steps: int) -> dict:
         return {"config": self.config.to_dict(), "skipped_steps": self.skipped_steps,
                 "skipped_fraction": self.skipped_steps / steps if steps else 0.0,
-                "underflow_rate": self.underflow_rate, "uncertain_steps": self.uncertain_steps,
+                "underflow_rate": known_or_none(self.underflow_rate), "uncertain_steps": self.uncertain_steps,
                 "scale": {"final": self.scale_final, "min": self.scale_min, "max": self.scale_max}}
 
 
@@ -415,9 +427,14 @@ def actual_outcome(series: StepSeries, config: ScalerConfig | None) -> dict:
     return {"config": config.to_dict() if config is not None else None,
             "skipped_steps": int(series.skipped.sum()),
             "skipped_fraction": float(series.skipped.mean()) if n else 0.0,
-            "underflow_rate": float(lost[applied].sum() / kept) if kept else 0.0,
+            "underflow_rate": known_or_none(lost[applied].sum() / kept) if kept else 0.0,
             "scale": {"final": float(series.recorded_scale[-1]), "min": float(series.recorded_scale.min()),
                       "max": float(series.recorded_scale.max())} if n else None}
+
+
+def known_or_none(rate: float) -> float | None:
+    """A rate for the JSON contracts: None where the record cannot tell (NaN)."""
+    return None if rate is None or not np.isfinite(rate) else float(rate)
 
 
 def with_defaults(base: ScalerConfig | None, **overrides) -> ScalerConfig:

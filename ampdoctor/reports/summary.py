@@ -21,8 +21,8 @@ from ..schema import HIST_BINS, HIST_MIN_EXP
 from .layers import LayerScan, layer_records, scan_layers, sort_layers
 from .origins import origin_counts
 from .recommend import recommend
-from .simulate import (Replay, ScalerConfig, StepSeries, actual_outcome, attach_param_lost, load_steps, prepare,
-                       recorded_config, replay, with_defaults)
+from .simulate import (Replay, ScalerConfig, StepSeries, actual_outcome, attach_param_lost, known_or_none, load_steps,
+                       prepare, recorded_config, replay, with_defaults)
 
 MAX_ORIGIN_STEPS = 2000   # anomalous steps whose rows are read for the origins (the first ones)
 HEATMAP_LAYERS = 40
@@ -61,8 +61,10 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     enabled = meta.get("scaler.enabled", "true") == "true"
     current = recorded_config(meta, series) if len(series) and enabled and amp.name == target.name else None
     prepared = prepare(series, target, module_ratio=_module_ratio(series, scan)) if len(series) else None
-    level = "full" if scan.layers["kind"].isin(["output", "grad_output"]).any() else (
-        "params" if len(scan.layers) else "steps")
+    # The level the run was recorded at; older runs without it: inferred from the rows (module rows
+    # of escalated steps then read as "full").
+    level = meta.get("record.level") or ("full" if scan.layers["kind"].isin(["output", "grad_output"]).any() else (
+        "params" if len(scan.layers) else "steps"))
     return Analysis(run, amp, target, series, scan, prepared, current, level)
 
 
@@ -268,7 +270,7 @@ def _predicted_layers(a: Analysis, outcome) -> list[dict]:
     from .layers import _hist_matrix
     from .underflow import UnderflowModel, lost_at_cutoff
 
-    columns = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "hist"]
+    columns = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "hist", "n_zero_lines"]
     table = a.run.table(columns, kinds=["param_grad"])
     if not table.num_rows:
         return []
@@ -281,16 +283,15 @@ def _predicted_layers(a: Analysis, outcome) -> list[dict]:
     with np.errstate(divide="ignore", invalid="ignore"):
         cut = np.log2(a.amp.underflow_below / np.where(scale > 0, scale, np.nan))
         at_cut = lost_at_cutoff(hist, frame["n_zero"].to_numpy(), frame["n_subnormal"].to_numpy(), cut,
-                                a.series.min_exp)
+                                a.series.min_exp, frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan))
         model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), at_cut, a.series.min_exp)
         log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
         lost = model.lost(np.log2(a.target.underflow_below) - log2s)
-    lost = np.where(np.isfinite(lost), lost, 0.0)
-    frame["lost"] = lost
-    by = frame.groupby("name").agg(lost=("lost", "sum"), numel=("numel", "sum"))
+    frame["lost"] = lost  # NaN: unknown (every element 0 at the recorded scale)
+    by = frame.groupby("name").agg(lost=("lost", lambda c: c.sum(min_count=len(c))), numel=("numel", "sum"))
     by["underflow_rate"] = by["lost"] / by["numel"].clip(lower=1)
-    by = by.sort_values("underflow_rate", ascending=False)
-    return [{"name": n, "kind": "param_grad", "underflow_rate": float(r)} for n, r in by["underflow_rate"].items()]
+    by = by.sort_values("underflow_rate", ascending=False, na_position="first")
+    return [{"name": n, "kind": "param_grad", "underflow_rate": known_or_none(r)} for n, r in by["underflow_rate"].items()]
 
 
 def layers_report(run: Run | str | os.PathLike, sort: str = "underflow", top: int | None = None) -> dict:

@@ -1,28 +1,46 @@
-"""How many gradient elements underflowed: estimated from the recorded binade histograms.
+"""How many gradient elements underflowed: estimated from the recorded zeros, zero lines, subnormals
+and binade histograms.
 
 **Definition.** An element *underflows* at loss scale S in a format when its true value is nonzero
-but ``|g| · S`` is below the format's rounding-to-zero threshold u (half the smallest subnormal:
-2^-25 for float16), so it becomes exactly 0. The *underflow rate* is the number of such elements
-over all elements observed. It is a subset of the zero rate: zeros are also structural (unused
-embedding rows, dead ReLUs), and a zero in the record cannot say which kind it is.
+but it arrives as exactly 0 because ``|g| · S`` (or a value upstream of it in the backward) fell
+below the format's rounding-to-zero threshold u (half the smallest subnormal: 2^-25 for float16).
+The *underflow rate* is the number of such elements over all elements observed. It is a subset of
+the zero rate: zeros are also *structural*, exact zeros at any scale (unused embedding rows, dead
+ReLU units, masked or ignored positions, a parameter the loss does not reach).
 
-**Estimate at the recorded scale.** A tensor whose recorded values reach into the subnormal range
-(``n_subnormal > 0``) has a distribution that crosses the cut-off x₀ = u / S, and its zeros are
-counted as underflow; so are the zeros of a gradient that is zero everywhere (a parameter that gets
-no gradient at all has ``.grad = None`` and is not observed): most of them are not lost in the tensor's own rounding but upstream, where an
-output gradient that underflowed zeroes whole rows of a weight gradient. A tensor with no subnormal
-value has nothing within ten binades of the cut-off: its zeros are structural and count only as
-far as the density estimate below allows (≈ 0). Where a tensor has both, the rate is an upper
-bound. ``tests/test_underflow.py`` checks this against an fp32 reference on the same batch.
+**The evidence**, per tensor on a step with full statistics: its zeros, its subnormals (scaled
+values within ten binades above u), its histogram, and ``n_zero_lines``: the zeros that fill a
+whole row or column of the tensor's 2-D view (``stats.zero_line_elements``).
+
+* *Structural zeros come in lines.* An unused embedding row, a dead unit's row of the weight
+  before it and column of the weight after it, an ignored position of a module output gradient:
+  each zeroes a whole line, at any scale. Zeros in lines do not count as underflow.
+* *Underflow needs values near the cut-off.* The zeros outside lines (*scattered*) count as
+  underflow when the tensor's subnormals are at least :data:`SUBNORMAL_SUPPORT` times as many:
+  then its values reach down to the cut-off in numbers that make the zeros their continuation.
+  Otherwise (no subnormal, or few next to many zeros: ReLU's scattered zeros in a module output
+  gradient) the estimate is the density floor ρ·x₀: the elements per unit magnitude read from
+  the histogram's binades 4x..64x above the cut-off (:data:`DENSITY_BINADES`), times the cut-off.
+* *Upper bound.* A tensor deep in underflow can lose whole lines too (an output gradient whose
+  column underflowed zeroes a row of the weight gradient): so the upper bound is every zero of
+  a tensor with subnormals, and the estimate otherwise. Reports give both.
+* *Unknown.* A tensor with zeros and no nonzero finite value at all (every element 0) has no
+  magnitude to judge by: its underflow is unknown (NaN; upper bound: all of it), never a guess.
+
+**Limits.** Activations (``output`` rows) are not loss-scaled and get no underflow estimate. Line
+zeros of a tensor that is deep in underflow are counted as structural in the estimate (the upper
+bound covers them). Elements whose float32 value is rounding noise of a mathematically zero
+gradient (an attention key bias; a softmax over one element) can be 0 in fp16 and tiny in fp32;
+they are scattered and count as underflow when subnormals support them.
+``tests/test_real_models.py`` checks the estimate against an fp32 reference backward on Hugging
+Face GPT-2, T5, ViT and BERT, a nanoGPT-like model, a ReLU MLP and a BatchNorm CNN.
 
 **At another scale.** Near zero, a gradient's distribution has a smooth, finite density ρ, so the
 number of true magnitudes below a small x is ≈ ρ·x: each binade holds twice as many elements as the
 one below it. At a cut-off below x₀ (a higher scale) the lost elements shrink in proportion to the
 cut-off. At a cut-off above x₀ (a lower scale) the recorded elements between x₀ and the new
-cut-off are added from the histogram, with a flat density within a binade. ρ itself (the floor of
-the estimate at x₀) is read from the recorded histogram in :data:`DENSITY_BINADES`, the binades
-from 4x to 64x the cut-off: the two just above it are skipped because rounding to the coarse
-subnormal grid moves elements across them.
+cut-off are added from the histogram, with a flat density within a binade. An unknown estimate
+stays unknown at every scale.
 
 All functions work on arrays: one row per observation (a step row, a parameter at a step).
 """
@@ -32,6 +50,7 @@ from __future__ import annotations
 import numpy as np
 
 DENSITY_BINADES = (2, 3, 4, 5)  # binades above the cut-off the density is read from (x₀·2^k)
+SUBNORMAL_SUPPORT = 0.1         # subnormals per scattered zero that make those zeros underflow
 
 
 def density_near_zero(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> np.ndarray:
@@ -54,15 +73,31 @@ def density_near_zero(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> n
 
 
 def lost_at_cutoff(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray, cut_log2: np.ndarray,
-                   min_exp: int) -> np.ndarray:
-    """Estimated elements that became 0 at the recorded cut-off: every zero of a tensor that has
-    subnormal values or no nonzero value at all, else ρ·x₀; never more than the zeros seen."""
+                   min_exp: int, n_zero_lines: np.ndarray | None = None) -> np.ndarray:
+    """Estimated elements that became 0 at the recorded cut-off (see the module docstring); NaN
+    where unknown. ``n_zero_lines``: NaN or None where not recorded (taken as 0)."""
+    return underflow_bounds(hist, n_zero, n_subnormal, cut_log2, min_exp, n_zero_lines)[0]
+
+
+def underflow_bounds(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray, cut_log2: np.ndarray,
+                     min_exp: int, n_zero_lines: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(estimate, upper bound) of the elements lost at the recorded cut-off, per row."""
+    hist = np.asarray(hist)
     zeros = np.asarray(n_zero, dtype=np.float64)
-    rho = density_near_zero(hist, cut_log2, min_exp)
-    floor = rho * np.exp2(np.asarray(cut_log2, dtype=np.float64))
-    crossing = (np.asarray(n_subnormal) > 0) | ((zeros > 0) & (np.asarray(hist).sum(axis=1) == 0))
-    lost = np.minimum(np.where(crossing, zeros, floor), zeros)
-    return np.where(np.isfinite(lost), lost, 0.0)  # an invalid scale (0) judges nothing
+    subnormal = np.asarray(n_subnormal, dtype=np.float64)
+    lines = np.zeros_like(zeros) if n_zero_lines is None else np.nan_to_num(
+        np.asarray(n_zero_lines, dtype=np.float64), nan=0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rho = density_near_zero(hist, cut_log2, min_exp)
+        floor = np.minimum(rho * np.exp2(np.asarray(cut_log2, dtype=np.float64)), zeros)
+    floor = np.where(np.isfinite(floor), floor, 0.0)  # an invalid scale (0) judges nothing
+    scattered = np.maximum(zeros - lines, 0.0)
+    crossing = subnormal > 0
+    supported = crossing & (subnormal >= SUBNORMAL_SUPPORT * scattered)
+    estimate = np.where(supported, np.maximum(scattered, floor), floor)
+    upper = np.where(crossing, zeros, estimate)
+    unknown = (zeros > 0) & (hist.sum(axis=1) == 0)  # every element 0: no magnitude to judge by
+    return np.where(unknown, np.nan, estimate), np.where(unknown, zeros, upper)
 
 
 def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: int) -> np.ndarray:

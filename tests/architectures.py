@@ -1,0 +1,254 @@
+"""Third-party architectures from tiny configs, and the ground truth a diagnosis is checked against.
+
+Each builder returns an :class:`Arch`: the model, and ``batch(seed)`` → ``loss_fn(model)`` computing
+the loss of one deterministic batch the way that architecture's users do (Hugging Face models with
+``labels=``, so the loss is computed inside the model). Widths are tiny (fp16 matmuls are slow on
+the CPU). Nothing is downloaded: every model is built from a config.
+
+Ground truth is measured here, independently of ampdoctor: :func:`true_underflow` runs the same
+batch on the same weights in float32 (autocast off) and counts, per parameter, the gradient
+elements that are nonzero there but exactly zero in the fp16 AMP backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+transformers = None
+try:  # the real-architecture tests skip without it (it is in the test extra)
+    import transformers
+    transformers.logging.set_verbosity_error()
+except ImportError:  # pragma: no cover
+    pass
+
+
+@dataclass
+class Arch:
+    name: str
+    model: nn.Module
+    loss: Callable[[nn.Module, int], torch.Tensor]   # (model, step) → the loss of that step's batch
+
+
+def _tokens(step: int, shape, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, shape, generator=gen)
+
+
+def _images(step: int, shape) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(shape, generator=gen)
+
+
+def gpt2() -> Arch:
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+
+    def loss(m, step):
+        ids = _tokens(step, (2, 12), cfg.vocab_size)
+        return m(input_ids=ids, labels=ids).loss
+
+    return Arch("gpt2", model, loss)
+
+
+def t5() -> Arch:
+    cfg = transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_heads=2, num_layers=2, num_decoder_layers=2,
+                                vocab_size=96, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+
+    def loss(m, step):
+        src = _tokens(step, (2, 10), cfg.vocab_size)
+        tgt = _tokens(step + 500, (2, 6), cfg.vocab_size)
+        return m(input_ids=src, labels=tgt).loss
+
+    return Arch("t5", model, loss)
+
+
+def vit() -> Arch:
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, num_labels=5,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.ViTForImageClassification(cfg)
+
+    def loss(m, step):
+        x = _images(step, (4, 3, 16, 16))
+        y = _tokens(step, (4,), cfg.num_labels)
+        return m(pixel_values=x, labels=y).loss
+
+    return Arch("vit", model, loss)
+
+
+def bert() -> Arch:
+    cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=16, num_labels=3,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(cfg)
+
+    def loss(m, step):
+        ids = _tokens(step, (4, 10), cfg.vocab_size)
+        mask = torch.ones_like(ids)
+        mask[:, 7:] = 0  # padding: masked attention
+        y = _tokens(step, (4,), cfg.num_labels)
+        return m(input_ids=ids, attention_mask=mask, labels=y).loss
+
+    return Arch("bert", model, loss)
+
+
+class ReluMLP(nn.Module):
+    """A plain ReLU MLP (dead units give structural zeros)."""
+
+    def __init__(self, d_in: int = 16, width: int = 48, d_out: int = 6, depth: int = 3, inplace: bool = False):
+        super().__init__()
+        dims = [d_in] + [width] * depth
+        layers: list[nn.Module] = []
+        for a, b in zip(dims[:-1], dims[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU(inplace=inplace)]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def relu_mlp(inplace: bool = False) -> Arch:
+    model = ReluMLP(inplace=inplace)
+
+    def loss(m, step):
+        x = _images(step, (16, 16))
+        y = _tokens(step, (16,), 6)
+        return F.cross_entropy(m(x).float(), y)
+
+    return Arch("relu_mlp", model, loss)
+
+
+class SmallCNN(nn.Module):
+    """Conv → BatchNorm → ReLU twice, pooling, a linear classifier."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1))
+        self.classifier = nn.Linear(16, classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+def cnn() -> Arch:
+    model = SmallCNN()
+
+    def loss(m, step):
+        x = _images(step, (4, 3, 8, 8))
+        y = _tokens(step, (4,), 5)
+        return F.cross_entropy(m(x).float(), y)
+
+    return Arch("cnn", model, loss)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """karpathy's nanoGPT ``model.py`` in miniature: token + position embeddings, pre-LN blocks,
+    weight-tied head, cross-entropy computed in the model's forward."""
+
+    def __init__(self, vocab: int = 96, block: int = 16, d: int = 32, layers: int = 2, heads: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(block, d)
+        self.h = nn.ModuleList(NanoBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1])
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def nanogpt() -> Arch:
+    model = NanoGPT()
+
+    def loss(m, step):
+        ids = _tokens(step, (2, 13), 96)
+        return m(ids[:, :-1], ids[:, 1:])
+
+    return Arch("nanogpt", model, loss)
+
+
+HF = {"gpt2": gpt2, "t5": t5, "vit": vit, "bert": bert}
+PLAIN = {"relu_mlp": relu_mlp, "cnn": cnn, "nanogpt": nanogpt}
+
+
+def build(name: str, seed: int = 0) -> Arch:
+    torch.manual_seed(seed)
+    return {**HF, **PLAIN}[name]()
+
+
+def amp_grads(arch: Arch, step: int, scale: float, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
+    """The fp16 autocast backward of ``step``'s batch at loss scale ``scale``, unscaled (as the
+    optimizer would see it); zeros stay zeros."""
+    model = arch.model
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = arch.loss(model, step) * loss_factor
+    (loss.float() * scale).backward()
+    return {n: p.grad.detach().clone() / scale for n, p in model.named_parameters() if p.grad is not None}
+
+
+def fp32_grads(arch: Arch, step: int, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
+    """The same batch on the same weights in float32: the reference."""
+    model = arch.model
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", enabled=False):
+        (arch.loss(model, step) * loss_factor).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def true_underflow(reference: dict[str, torch.Tensor], amp: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Per parameter: (elements nonzero in float32 but exactly 0 in the AMP backward, elements)."""
+    out = {}
+    for name, ref in reference.items():
+        got = amp.get(name)
+        lost = int(((ref != 0) & (got == 0)).sum()) if got is not None else int((ref != 0).sum())
+        out[name] = (lost, ref.numel())
+    return out
