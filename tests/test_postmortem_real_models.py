@@ -260,6 +260,19 @@ def test_an_attention_overflow_from_finite_modules_is_not_the_batch(tmp_path):
     check_advice(pm, "full")
 
 
+def test_a_full_run_without_module_rows_at_the_event_never_asks_for_level_full(tmp_path):
+    """level="full" with the flight recorder off (flight_steps=0) has no module rows at an
+    unsampled step: the advice says how to get them at the level the run already had."""
+    torch.manual_seed(0)
+    path = tmp_path / "run.parquet"
+    _, losses, _ = train(path, gpt2(), embeds_loss, level="full", flight_steps=0)
+    assert first_bad_loss(losses) == INJECT
+    pm = ampdoctor.postmortem(path)
+    assert pm["cause"] == "unknown" and pm["first_nonfinite_step"] == INJECT
+    assert any("flight_steps" in a for a in pm["advice"]), pm["advice"]
+    check_advice(pm, "full")
+
+
 # -- a NaN written into a weight between steps ----------------------------------------------------------
 
 def _write_nan_after(model, name, step, seen):

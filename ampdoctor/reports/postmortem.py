@@ -278,6 +278,8 @@ def _classify(a: Analysis, steps, params, event: Event, rows: pd.DataFrame, note
             return "nonfinite_checkpoint", origin, evidence
         if event.written_by == BY_OUTSIDE:
             # The steps since were computed from the non-finite weights: their gradients tell nothing.
+            row = steps[(steps["step"] == event.step) & (steps["rank"] == event.rank)]
+            evidence["loss_nonfinite"] = bool(len(row)) and bool(row["loss_bad"].iloc[0])
             return "nonfinite_weights", origin, evidence
         step_row = steps[(steps["step"] == event.step) & (steps["rank"] == event.rank)]
         grads_finite = (not bool(step_row["grads_bad"].iloc[0])) if len(step_row) else None
@@ -565,7 +567,7 @@ def _advice(cause: str, origin: dict | None, evidence: dict, a: Analysis, detail
         first = origin["step"]
         others = evidence.get("nonfinite_parameters", 0) - 1
         also = f" (and {others} other parameter(s))" if others > 0 else ""
-        out += [f"`{name}`{also} held NaN or inf before the first step of this run ({first}): the weights it "
+        out += [f"{f'`{name}`' if name else 'the parameters'}{also} held NaN or inf before the first step of this run ({first}): the weights it "
                 f"started from were non-finite, not made so by training. Check them right after loading: "
                 f"`[n for n, p in model.named_parameters() if not p.isfinite().all()]`",
                 "load a checkpoint saved before its weights went non-finite; if that run was recorded with "
@@ -578,7 +580,7 @@ def _advice(cause: str, origin: dict | None, evidence: dict, a: Analysis, detail
         out += [f"step {step} applied non-finite gradients to `{name}`: update the weights only through "
                 f"`scaler.step(optimizer)` for every optimizer, and do not change the gradients between "
                 f"`scaler.unscale_(optimizer)` and `scaler.step(optimizer)`" if name else
-                f"inspect the rows of step {step} with `ampdoctor.load(RUN).query('step == {step}')`",
+                f"inspect the rows of step {step}: `ampdoctor.load({str(a.run.path)!r}).query('step == {step}')`",
                 "resume from the last checkpoint before that step"]
     else:
         out.append(f"resume from the last checkpoint and {_to_record_modules(a)} to see where it starts")
@@ -594,10 +596,12 @@ def _weights_advice(name: str | None, origin: dict, evidence: dict) -> list[str]
     optimizer = ("check the optimizer's hyper-parameters (eps of Adam-like optimizers in low precision, a zero "
                  "division in a custom step), and keep optimizer state in float32")
     if by == BY_OUTSIDE:
+        # A non-finite loss at the event step shows the weights were already non-finite in its forward.
+        until = f"step {step}'s forward" if evidence.get("loss_nonfinite") else f"the check of step {checked}"
         return [f"{param} was finite at the check after step {finite_at}'s optimizer step and non-finite at the "
                 f"check of step {checked}, with no optimizer step applied in between: it was written outside "
-                f"`optimizer.step()`, by code that ran after step {finite_at}'s `scaler.update()` and before step "
-                f"{step}'s forward (a manual edit or re-initialisation, `load_state_dict`, a hook or callback that "
+                f"`optimizer.step()`, by code that ran after step {finite_at}'s `scaler.update()` and before "
+                f"{until} (a manual edit or re-initialisation, `load_state_dict`, a hook or callback that "
                 f"writes into parameters)",
                 f"find what writes into {param} there, and check `torch.isfinite(p).all()` right after it",
                 f"resume from a checkpoint saved at step {finite_at} or before"]
