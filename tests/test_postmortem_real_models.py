@@ -202,6 +202,7 @@ def check_advice(pm: dict, level: str) -> None:
         assert not any("level='full'" in a for a in pm["advice"] + pm["notes"]), pm
     for fmt in ("text", "md", "html", "json"):
         assert render.postmortem(pm, fmt)
+    assert max(len(line) for line in render.postmortem(pm, "text").splitlines()) <= 100
 
 
 # -- a NaN in the batch -------------------------------------------------------------------------------
