@@ -37,6 +37,32 @@ def library_errors(fn):
     return run
 
 
+class Scale(click.ParamType):
+    """A loss scale as the reports print it (``2**24``, ``2^24``) or as a number (``16777216``,
+    ``1.5e3``); positive, or zero where ``allow_zero``."""
+
+    name = "scale"
+
+    def __init__(self, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            number = float(value)
+        else:
+            text = str(value).strip().replace("^", "**")
+            base, sep, exponent = text.partition("**")
+            try:
+                if sep and not float(base) > 0:
+                    raise ValueError(base)
+                number = float(base) ** float(exponent) if sep else float(text)
+            except (ValueError, OverflowError):
+                self.fail(f"{value!r} is not a scale: give a number or a power of two such as 2**16", param, ctx)
+        if not (number > 0 or (self.allow_zero and number == 0)) or number != number:
+            self.fail(f"{value!r} must be {'>= 0' if self.allow_zero else '> 0'}", param, ctx)
+        return number
+
+
 def output_format(*choices: str):
     return click.option("--format", "fmt", type=click.Choice(choices), default=choices[0],
                         show_default=True, help="Output format.")
@@ -104,15 +130,16 @@ def report(run: str, fmt: str, top: int, output: str | None) -> None:
 
 @main.command()
 @run_argument
-@click.option("--init-scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="[default: the run's own, or 2**16 for a run without loss scaling]")
+@click.option("--init-scale", type=Scale(), default=None,
+              help="A number or a power of two such as 2**16 [default: the run's own, or 2**16 for a run "
+                   "without loss scaling]")
 @click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None)
 @click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None)
 @click.option("--growth-interval", type=click.IntRange(min=1), default=None)
 @click.option("--hysteresis", type=click.IntRange(min=1), default=None,
               help="Overflows in a row before backing off (Megatron/DeepSpeed) [default: 1, as torch].")
-@click.option("--min-scale", type=click.FloatRange(min=0), default=None)
-@click.option("--max-scale", type=click.FloatRange(min=0, min_open=True), default=None)
+@click.option("--min-scale", type=Scale(allow_zero=True), default=None)
+@click.option("--max-scale", type=Scale(), default=None)
 @output_format("text", "md", "json")
 @output_option
 @library_errors

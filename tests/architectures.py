@@ -7,11 +7,18 @@ the CPU). Nothing is downloaded: every model is built from a config.
 
 Ground truth is measured here, independently of ampdoctor: :func:`true_underflow` runs the same
 batch on the same weights in float32 (autocast off) and counts, per parameter, the gradient
-elements that are nonzero there but exactly zero in the fp16 AMP backward.
+elements that are nonzero there but exactly zero in the fp16 AMP backward. An element whose float32
+value is rounding noise (a float64 backward disagrees with it by more than half: a gradient that is
+mathematically zero, such as an attention key bias's, where softmax ignores a shift per query) is
+undecided: whether fp16 gives exactly 0 there is chance, not the loss scale, and an estimate may
+count it either way.
+Every backward of a batch draws the same dropout masks (the same seed), so the passes compare.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -227,28 +234,143 @@ def build(name: str, seed: int = 0) -> Arch:
 def amp_grads(arch: Arch, step: int, scale: float, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
     """The fp16 autocast backward of ``step``'s batch at loss scale ``scale``, unscaled (as the
     optimizer would see it); zeros stay zeros."""
-    model = arch.model
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = arch.loss(model, step) * loss_factor
-    (loss.float() * scale).backward()
-    return {n: p.grad.detach().clone() / scale for n, p in model.named_parameters() if p.grad is not None}
+    grads, _ = _backward(arch.model, arch, step, loss_factor, scale)
+    return {n: g / scale for n, g in grads.items()}
 
 
 def fp32_grads(arch: Arch, step: int, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
     """The same batch on the same weights in float32: the reference."""
-    model = arch.model
+    return _backward(arch.model, arch, step, loss_factor)[0]
+
+
+def fp64_grads(arch: Arch, step: int, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
+    """The same batch on a float64 copy of the weights: tells the float32 reference's rounding
+    noise from its values."""
+    return _backward(_float64_copy(arch.model), arch, step, loss_factor)[0]
+
+
+def _float64_copy(model: nn.Module) -> nn.Module:
+    model = copy.deepcopy(model).double()
+
+    def to_double(module, args, kwargs):
+        cast = lambda v: v.double() if torch.is_tensor(v) and v.is_floating_point() else v  # noqa: E731
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    model.register_forward_pre_hook(to_double, with_kwargs=True)
+    return model
+
+
+def _backward(model: nn.Module, arch: Arch, step: int, loss_factor: float, scale: float | None = None,
+              outputs: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """One backward of ``step``'s batch: fp16 autocast with the loss times ``scale``, or without
+    autocast (``scale=None``). Returns the parameter gradients and, with ``outputs``, each
+    module's output gradients (every floating output of every call, in forward order)."""
+    captured: dict[str, list[list[torch.Tensor]]] = {}
+    handles = []
+    if outputs:
+        for name, module in model.named_modules():
+            handles.append(module.register_forward_hook(_capture_output_grads(captured.setdefault(name or "(model)", []))))
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", enabled=False):
-        (arch.loss(model, step) * loss_factor).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    try:
+        with _same_dropout(step), torch.autocast("cpu", dtype=torch.float16, enabled=scale is not None):
+            loss = arch.loss(model, step) * loss_factor
+            (loss.float() * scale if scale is not None else loss).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads, {name: [slot[0] if slot else None for slot in slots] for name, slots in captured.items()}
 
 
-def true_underflow(reference: dict[str, torch.Tensor], amp: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    """Per parameter: (elements nonzero in float32 but exactly 0 in the AMP backward, elements)."""
+def _capture_output_grads(slots: list):
+    def hook(module, args, output):
+        for t in _floating(output):
+            if t.requires_grad:
+                slot: list[torch.Tensor] = []
+                slots.append(slot)
+                t.register_hook(lambda g, slot=slot: slot.append(g.detach().clone()))
+    return hook
+
+
+def _floating(value):
+    if torch.is_tensor(value):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _floating(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _floating(v)
+
+
+@contextlib.contextmanager
+def _same_dropout(step: int):
+    """The same random numbers for every backward of ``step``'s batch (dropout masks agree across
+    dtypes for the same seed), without touching the caller's random state."""
+    with torch.random.fork_rng():
+        torch.manual_seed(10_000 + step)
+        yield
+
+
+@dataclass
+class Truth:
+    """One parameter's true underflow: ``lost`` elements nonzero in float32 but exactly 0 in the
+    AMP backward, ``undecided`` elements 0 in the AMP backward whose float32 value is rounding noise
+    (they may be counted either way), of ``numel``."""
+
+    lost: int
+    undecided: int
+    numel: int
+
+    @property
+    def rate(self) -> float:
+        return self.lost / self.numel
+
+    @property
+    def undecided_rate(self) -> float:
+        return self.undecided / self.numel
+
+
+def true_underflow(arch: Arch, step: int, amp: dict[str, torch.Tensor], loss_factor: float = 1.0) -> dict[str, Truth]:
+    """Per parameter, the truth about the AMP backward ``amp`` of ``step``'s batch."""
+    reference, exact = fp32_grads(arch, step, loss_factor), fp64_grads(arch, step, loss_factor)
+    return {name: Truth(*_judge(amp.get(name), ref, exact[name]), ref.numel()) for name, ref in reference.items()}
+
+
+def _judge(amp: torch.Tensor | None, ref: torch.Tensor, exact: torch.Tensor) -> tuple[int, int]:
+    """(lost, undecided) elements of one tensor: 0 in the AMP backward ``amp`` (None: not
+    computed), nonzero in float32 ``ref``; undecided where ``ref`` is rounding noise of ``exact``."""
+    noise = (ref.double() - exact.double()).abs() > 0.5 * exact.double().abs()
+    zero = (amp == 0) if amp is not None else torch.ones_like(ref, dtype=torch.bool)
+    return int(((ref != 0) & ~noise & zero).sum()), int((noise & zero).sum())
+
+
+def true_output_underflow(arch: Arch, step: int, scale: float, loss_factor: float = 1.0) -> dict[str, Truth]:
+    """Per module: the truth about its output gradients (every floating output of every call) in
+    the fp16 AMP backward of ``step``'s batch at ``scale``."""
+    _, amp = _backward(arch.model, arch, step, loss_factor, scale, outputs=True)
+    _, ref = _backward(arch.model, arch, step, loss_factor, outputs=True)
+    _, exact = _backward(_float64_copy(arch.model), arch, step, loss_factor, outputs=True)
     out = {}
-    for name, ref in reference.items():
-        got = amp.get(name)
-        lost = int(((ref != 0) & (got == 0)).sum()) if got is not None else int((ref != 0).sum())
-        out[name] = (lost, ref.numel())
+    for name, refs in ref.items():
+        lost = undecided = numel = 0
+        for a, r, e in zip(amp.get(name, []), refs, exact.get(name, [])):
+            if r is None or e is None or a is None:
+                continue  # that output got no gradient in some pass
+            one = _judge(a, r, e)
+            lost, undecided, numel = lost + one[0], undecided + one[1], numel + r.numel()
+        if numel:
+            out[name] = Truth(lost, undecided, numel)
     return out
+
+
+def overall(truth: dict[str, Truth]) -> float:
+    """The true underflow over all parameters: lost elements over all elements."""
+    return sum(t.lost for t in truth.values()) / sum(t.numel for t in truth.values())
+
+
+def true_rate(arch: Arch, step: int, scale: float, loss_factor: float = 1.0) -> float:
+    """The true underflow of ``step``'s batch on the model's current weights at loss scale ``scale``."""
+    return overall(true_underflow(arch, step, amp_grads(arch, step, scale, loss_factor), loss_factor))

@@ -54,3 +54,21 @@ def test_demo_refuses_cuda_without_a_gpu(cli, tmp_path):
         pytest.skip("this machine has CUDA")
     result = cli.invoke(main, ["demo", "--device", "cuda", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "CUDA is not available" in result.output
+
+
+def test_simulate_takes_scales_as_the_reports_print_them(cli, run_path):
+    """The reports print scales as ``2**24``: the same text is accepted back, as is ``2^24``."""
+    record(run_path)
+    outputs = []
+    for text in ("2**10", "2^10", "1024", "1.024e3"):
+        result = cli.invoke(main, ["simulate", str(run_path), "--init-scale", text, "--max-scale", "2**20",
+                                   "--format", "json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.output)
+        assert data["config"]["init_scale"] == 1024.0 and data["config"]["max_scale"] == 2.0**20
+        outputs.append(data)
+    assert all(o == outputs[0] for o in outputs)
+    for bad in ("2**x", "0", "-2**3", "-2**4", "nan"):
+        result = cli.invoke(main, ["simulate", str(run_path), "--init-scale", bad])
+        assert result.exit_code == 2, (bad, result.output)
+        assert "Traceback" not in result.output and "--init-scale" in result.output

@@ -10,6 +10,7 @@ import torch
 
 import ampdoctor
 from ampdoctor.reports.origins import OUTSIDE, find_origins, nonfinite_rows
+from ampdoctor.reports.summary import build_report
 from models import CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 
 K = 3          # the step at which something goes wrong
@@ -173,6 +174,26 @@ def test_gradient_produced_outside_the_model(run_path):
     (o,) = find_origins(ampdoctor.load(run_path))
     assert o.step == K and o.forward is None and math.isfinite(o.loss)
     assert o.overflow.name == OUTSIDE and o.overflow.tensor == "head"  # head returned it for the model
+    # The report names where it was seen and says what to do about it.
+    report = build_report(run_path)
+    (origin,) = report["overflow_origins"]
+    assert origin["name"] == OUTSIDE and origin["after"] == "head" and origin["count"] == 1
+    assert any("outside every tapped module" in a and "into `head`'s output" in a and "or the loss" in a
+               for a in report["recommendation"]["advice"]), report["recommendation"]["advice"]
+
+
+def test_skipped_steps_without_an_origin_are_counted_in_a_warning(tmp_path):
+    """init_scale far too high at level='params': the first skipped step has no module rows (the
+    escalation starts after it), the later ones do. Their origins add up to fewer than the
+    skipped steps, and the report says how many have none."""
+    from models import train_recorded
+
+    path = tmp_path / "run.parquet"
+    skipped = train_recorded(path, steps=30, init_scale=2.0**24, level="params")
+    report = build_report(path)
+    named = sum(o["count"] for o in report["overflow_origins"])
+    assert 0 < named < skipped == report["scale"]["skipped_steps"]
+    assert f"{skipped - named} of the {skipped} anomalous steps have no origin" in " ".join(report["warnings"])
 
 
 def test_pass_through_module_is_not_blamed(run_path):

@@ -18,10 +18,10 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import ampdoctor
 from ampdoctor.reports import render
+from architectures import Arch, NanoGPT, true_rate
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -52,56 +52,14 @@ def t5() -> nn.Module:
     return transformers.T5ForConditionalGeneration(cfg)
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.c_attn(x).split(d, 2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+def nanogpt() -> nn.Module:
+    """nanoGPT's shape (``architectures.NanoGPT``): token and position embeddings, pre-norm
+    blocks, a head tied to the token embedding, the loss on float32 logits."""
+    return NanoGPT(vocab=VOCAB, block=32)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class NanoGPT(nn.Module):
-    """nanoGPT's shape: token embedding plus a learned position parameter, pre-norm blocks, a
-    head tied to the token embedding, the loss on float32 logits."""
-
-    def __init__(self, d: int = 32, heads: int = 2, layers: int = 2, block: int = 32) -> None:
-        super().__init__()
-        self.tok_emb = nn.Embedding(VOCAB, d)
-        self.pos_emb = nn.Parameter(torch.randn(1, block, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB, bias=False)
-        self.head.weight = self.tok_emb.weight
-
-    def forward(self, idx, targets):
-        x = self.tok_emb(idx) + self.pos_emb[:, :idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
-
-
-ARCHS = {"gpt2": gpt2, "bert": bert, "t5": t5, "nanogpt": NanoGPT}
-EMBEDDING = {"gpt2": "transformer.wte.weight", "nanogpt": "tok_emb.weight"}
+ARCHS = {"gpt2": gpt2, "bert": bert, "t5": t5, "nanogpt": nanogpt}
+EMBEDDING = {"gpt2": "transformer.wte.weight", "nanogpt": "wte.weight"}
 
 
 def tokens(step: int, shape=(2, SEQ)) -> torch.Tensor:
@@ -333,7 +291,7 @@ def test_nan_written_between_steps_with_sampled_checks_says_what_it_cannot_tell(
 
 # -- weights that were NaN before the first step ------------------------------------------------------------
 
-CHECKPOINT_FAULTS = {"gpt2": "transformer.wte.weight", "nanogpt": "blocks.0.mlp.0.weight"}
+CHECKPOINT_FAULTS = {"gpt2": "transformer.wte.weight", "nanogpt": "h.0.mlp.0.weight"}
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "nanogpt"])
@@ -391,27 +349,12 @@ def test_a_healthy_run_that_skips_many_steps_points_at_report(tmp_path):
     assert "ampdoctor report" in render.postmortem(pm, "md") and "ampdoctor report" in render.postmortem(pm, "html")
 
 
-def _true_underflow(model: nn.Module, factor: float, scale: float) -> float:
-    """The fraction of gradient elements that are nonzero in a float32 backward of step 0's batch
-    but exactly zero in the fp16 AMP backward at ``scale`` (weights unchanged)."""
-    grads = {}
-    for amp in (False, True):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
-            loss = token_loss(model, 0) * factor
-        (loss * (scale if amp else 1.0)).backward()
-        grads[amp] = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    lost = sum(int(((g32 != 0) & (g16 == 0)).sum()) for g32, g16 in zip(grads[False], grads[True]))
-    return lost / sum(g.numel() for g in grads[False])
-
-
 def test_a_healthy_run_with_heavy_underflow_points_at_report(tmp_path):
     """A tiny loss at scale 1 that never grows: most gradient elements flush to zero in fp16."""
     torch.manual_seed(0)
     model = gpt2()
     factor = 1e-5
-    truth = _true_underflow(model, factor, scale=1.0)
+    truth = true_rate(Arch("gpt2", model, token_loss), 0, 1.0, factor)
     assert truth > 0.5, truth
     path = tmp_path / "run.parquet"
     train(path, model, lambda m, i: token_loss(m, i) * factor, steps=8, init_scale=1.0, growth_interval=10**6)

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from ampdoctor.reports import render
 from ampdoctor.reports.formatting import binades, number, percent, scale_str, setting, shorten
 from ampdoctor.reports.render_html import report_html
 from ampdoctor.reports.render_markdown import layers_markdown, report_markdown, simulate_markdown
@@ -173,7 +174,7 @@ def test_markdown_escapes_names():
     assert "\\<img src=x onerror=alert(1)\\> overflows" in md  # in prose: backslash-escaped
     assert "`a\\|b`" in md and "`a|b`" not in md
     assert "``odd`name``" in md  # a longer fence around a name with a backtick
-    assert "keep \\`fc1\\` in float32 \\| or clip" in md
+    assert "keep `fc1` in float32 \\| or clip" in md  # advice's code marks are code spans
 
 
 def test_report_markdown_missing_sections():
@@ -346,3 +347,37 @@ def test_report_dict_not_mutated():
     report_markdown(r)
     report_html(r)
     assert repr(r) == repr(before)
+
+
+def test_code_marked_in_advice_renders_as_code():
+    """The analyses mark settings and calls with backticks: code spans in Markdown, <code> in
+    HTML, never literal backticks; an unpaired backtick stays text."""
+    report = make_report()
+    report["recommendation"]["advice"] = ["keep `fc1_a` in float32 with `autocast(x, enabled=False)` or *not*",
+                                          "a lone ` backtick"]
+    md = render.report(report, "md")
+    assert "- keep `fc1_a` in float32 with `autocast(x, enabled=False)` or \\*not\\*" in md
+    assert "- a lone \\` backtick" in md
+    page = render.report(report, "html")
+    assert "keep <code>fc1_a</code> in float32 with <code>autocast(x, enabled=False)</code> or *not*" in page
+    assert "a lone ` backtick" in page
+
+
+def test_underflow_ranges_render_as_ranges():
+    """Where the record cannot decide one underflow rate, every output shows the range."""
+    report = make_report()
+    report["recommendation"]["current"] = {"skipped_steps": 0, "underflow_rate": None,
+                                           "underflow_rate_min": 0.0035, "underflow_rate_max": 0.095}
+    assert "instead of 0.35%..9.5%" in render.report(report, "text")
+    assert "| 0.35%..9.5% |" in render.report(report, "md")
+    assert "0.35%..9.5%" in render.report(report, "html")
+    sim = make_sim()
+    sim.update(underflow_rate=None, underflow_rate_min=1e-5, underflow_rate_max=0.9)
+    assert "0.001%..90%" in render.simulate(sim, "text") and "0.001%..90%" in render.simulate(sim, "md")
+
+
+def test_an_origin_outside_the_taps_names_the_module_it_reached():
+    report = make_report()
+    report["overflow_origins"][0].update(name="(outside tapped modules)", after="decoder.ln_f")
+    for fmt in ("text", "md", "html"):
+        assert "(outside tapped modules, after decoder.ln_f)" in render.report(report, fmt), fmt

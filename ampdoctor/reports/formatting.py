@@ -30,6 +30,33 @@ def percent(x: float | None) -> str:
     return f"{text}%"
 
 
+def underflow(fields: dict) -> str:
+    """An underflow rate from a contract's fields: the point value, or the range
+    ``underflow_rate_min``..``underflow_rate_max`` (``0.002%..96.5%``) when the record cannot
+    decide one."""
+    if fields.get("underflow_rate") is not None or fields.get("underflow_rate_max") is None:
+        return percent(fields.get("underflow_rate"))
+    return f"{percent(fields.get('underflow_rate_min'))}..{percent(fields['underflow_rate_max'])}"
+
+
+def code_spans(text: str) -> list[tuple[str, bool]]:
+    """Prose from the analyses split into ``(piece, is_code)``: the analyses mark code (a setting,
+    a call to paste) with single backticks, which each renderer shows its own way. An unpaired
+    backtick stays literal."""
+    parts = str(text).split("`")
+    if len(parts) % 2 == 0:  # an odd number of backticks: the last one has no partner
+        parts[-2:] = [parts[-2] + "`" + parts[-1]]
+    return [(piece, i % 2 == 1) for i, piece in enumerate(parts) if piece]
+
+
+def origin_name(origin: dict) -> str:
+    """An overflow origin's place: the module, or for one outside the tapped modules the module
+    whose output gradient it reached first (``(outside tapped modules, after head)``)."""
+    name = str(origin.get("name", ""))
+    after = origin.get("after")
+    return f"{name[:-1]}, after {after})" if after and name.startswith("(") else name
+
+
 def scale_str(x: float | None) -> str:
     """A loss scale: ``2**k`` when it is an exact power of two (as scales usually are), else ``%g``."""
     if _missing(x):
@@ -76,7 +103,7 @@ VERDICTS = {
     "keep": "Keep the current scaler settings.",
     "change": "Change the scaler settings.",
     "no_scale_works": "No loss scale fits these gradients in the target format.",
-    "unknown": "Underflow unknown: the record cannot tell how far below fp16's range the zero gradients were.",
+    "unknown": "Underflow unknown: too many zeros could be underflow or structure to tell.",
 }
 
 

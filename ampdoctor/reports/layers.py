@@ -6,7 +6,9 @@ gradient (``grad_output``) or a module's output (``output``). The rates come fro
 peaks) count for magnitudes, headroom and non-finite values; a layer seen only in light rows has
 no rates (NaN). Each row is judged in the format its values
 lived in during training: parameter gradients in the run's AMP format at the step's loss scale,
-module rows in their own dtype, gradients at the loss scale and activations unscaled.
+module rows in their own dtype, gradients at the loss scale and activations unscaled; a wider
+output gradient whose values all sit on the AMP format's grid (an fp16 gradient cast up to float32
+on its way into a LayerNorm) in the AMP format.
 
 * ``underflow_rate``: estimated elements lost to underflow over elements observed (see
   :mod:`ampdoctor.reports.underflow` for the definition and the estimate);
@@ -28,7 +30,7 @@ import pyarrow.compute as pc
 
 from ..formats import FloatFormat, float_format
 from ..run import Run, _empty_table, kind_mask
-from .underflow import underflow_bounds
+from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
 SORTS = {"underflow": ("underflow_rate", False), "headroom": ("headroom_log2", True), "amax": ("amax", False)}
@@ -48,7 +50,7 @@ class LayerScan:
     """What the streaming pass over a run's non-step rows found."""
 
     layers: pd.DataFrame                       # one row per (name, kind), see the module docstring
-    param_lost: pd.DataFrame                   # per step: lost and zeros over parameter gradients
+    param_lost: pd.DataFrame                   # per step: lost, undecided and all zeros over parameter gradients
     module_peak: pd.Series                     # per step: largest finite output-gradient amax
     activation_peak: pd.DataFrame              # per module: largest finite output amax (unscaled)
     heatmap_steps: np.ndarray                  # first step of each heatmap column
@@ -107,7 +109,7 @@ class _Accumulator:
         self.low = np.full((16, columns), np.inf)
         self.param_lost = np.zeros(span)
         self.param_zero = np.zeros(span)
-        self.param_unknown = np.zeros(span)     # zeros of gradients with no nonzero value (unknown)
+        self.param_undecided = np.zeros(span)     # undecided zeros: the upper bound minus the estimate
         self.param_seen = np.zeros(span, dtype=bool)
         self.module_peak = np.full(span, -np.inf)
 
@@ -164,15 +166,31 @@ class _Accumulator:
         full = ~np.isnan(col["n_zero"].astype(np.float64))
         nonfinite = ((col["n_nan"] + col["n_inf"]) > 0) | (~full & ~np.isfinite(amax))
         usable = ~nonfinite & np.isfinite(amax)
+        subnormal = np.nan_to_num(col["n_subnormal"].astype(np.float64))
         with np.errstate(divide="ignore", invalid="ignore"):
+            # A float32 output gradient whose nonzero values all sit on the AMP format's grid
+            # (none below its smallest subnormal) was computed in the AMP format and cast up (the
+            # input gradient of an fp16 Linear reaching a LayerNorm): its zeros underflowed there.
+            # Otherwise such a gradient mixes paths (a residual's float32 one too): judged in its own
+            # format, with every zero in the upper bound if it reaches the AMP subnormals in numbers.
+            cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
+            wider = (kind == "grad_output") & (below < amp.underflow_below)
+            amp_subnormal = cumulative_below(cumsum, np.log2(amp.smallest_normal / scale), min_exp)
+            amp_grid = wider & (cumulative_below(cumsum, np.log2(amp.smallest_subnormal / scale), min_exp) == 0)
+            below = np.where(amp_grid, amp.underflow_below, below)
+            subnormal = np.where(amp_grid, amp_subnormal, subnormal)
             cut = np.log2(below / scale)
-            estimate, upper = underflow_bounds(hist, np.nan_to_num(col["n_zero"]), np.nan_to_num(col["n_subnormal"]),
-                                               cut, min_exp, col["n_zero_lines"].astype(np.float64))
+            zeros = np.nan_to_num(col["n_zero"].astype(np.float64))
+            estimate, upper = underflow_bounds(hist, zeros, subnormal, cut, min_exp,
+                                               col["n_zero_lines"].astype(np.float64), pile_lines=param)
+            upper = np.where(wider & (amp_subnormal >= UPPER_SHARE * hist.sum(axis=1)) & (amp_subnormal > 0),
+                             np.maximum(upper, zeros), upper)
             # Activations are not loss-scaled: no underflow estimate for output rows. A row whose
             # estimate is unknown (every element 0) counts only towards the upper bound.
-            judged = full & ~output & ~np.isnan(estimate)
+            # A row that held a NaN or inf is not judged: its histogram lost the overflowed values.
+            judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
             lost = np.where(judged, estimate, 0.0)
-            upper = np.where(full & ~output, upper, 0.0)
+            upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
             headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
             high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
                             -np.inf)
@@ -193,10 +211,10 @@ class _Accumulator:
         offset = col["step"] - first_step
         inside = (offset >= 0) & (offset < len(self.param_lost))
         p = param & inside
-        pf = p & full
+        pf = p & full & ~nonfinite
         np.add.at(self.param_lost, offset[pf], lost[pf])
         np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
-        np.add.at(self.param_unknown, offset[pf], np.where(judged[pf], 0.0, np.nan_to_num(col["n_zero"][pf])))
+        np.add.at(self.param_undecided, offset[pf], np.maximum(upper[pf] - lost[pf], 0.0))
         self.param_seen[offset[pf]] = True
         # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
         # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
@@ -226,7 +244,7 @@ class _Accumulator:
         steps = first_step + np.arange(len(self.param_lost))
         seen = self.param_seen
         param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen],
-                                   "unknown": self.param_unknown[seen]}, index=steps[seen])
+                                   "undecided": self.param_undecided[seen]}, index=steps[seen])
         peak = self.module_peak > -np.inf
         module_peak = pd.Series(self.module_peak[peak], index=steps[peak])
         outputs = [i for i, k in enumerate(keys) if k[1] == "output"]

@@ -274,14 +274,17 @@ def rows_at(run: Run, steps) -> pd.DataFrame:
 
 def origin_counts(run: Run, steps) -> list[dict]:
     """The origins of the anomalous steps among ``steps``, counted per (module, kind, rank), most
-    frequent first: the overflow origin, or the forward origin when the loss was non-finite."""
+    frequent first: the overflow origin, or the forward origin when the loss was non-finite.
+    ``after``: for an origin outside the tapped modules, the module whose output gradient it
+    reached first (the code that consumed that output produced it); else None."""
     counts: dict[tuple, dict] = {}
     for step in find_origins(rows_at(run, steps)) if len(steps) else []:
         origin = step.overflow or step.forward
         if origin is None:
             continue
-        entry = counts.setdefault((origin.name, origin.kind, origin.rank), {
-            "name": origin.name, "kind": origin.kind, "rank": origin.rank, "count": 0,
+        after = origin.tensor if origin.name == OUTSIDE else None
+        entry = counts.setdefault((origin.name, after, origin.kind, origin.rank), {
+            "name": origin.name, "after": after, "kind": origin.kind, "rank": origin.rank, "count": 0,
             "first_step": origin.step, "last_step": origin.step})
         entry["count"] += 1
         entry["first_step"] = min(entry["first_step"], origin.step)

@@ -464,15 +464,19 @@ def _health(a: Analysis) -> tuple[dict, list[str]]:
     if not n:
         return {}, []
     skipped = int(np.count_nonzero(a.series.skipped))
-    underflow = actual_outcome(a.series, a.current).get("underflow_rate")
-    underflow = float(underflow) if underflow is not None and math.isfinite(float(underflow)) else None
-    evidence = {"skipped_steps": skipped, "skipped_fraction": skipped / n, "underflow_rate": underflow}
+    actual = actual_outcome(a.series, a.current)
+    fields = {k: actual[k] for k in ("underflow_rate", "underflow_rate_min", "underflow_rate_max")}
+    evidence = {"skipped_steps": skipped, "skipped_fraction": skipped / n, **fields}
     found = []
     if skipped / n >= NOTE_SKIPPED_FRACTION:
         found.append(f"{skipped} of its {n} steps ({skipped / n:.1%}) were skipped (no update at those steps)")
-    if underflow is not None and underflow >= NOTE_UNDERFLOW_RATE:
-        found.append(f"{underflow:.1%} of its gradient elements underflowed to zero in float16 (no update for "
-                     f"them)")
+    low, high = fields["underflow_rate_min"] or 0.0, fields["underflow_rate_max"] or 0.0
+    if low >= NOTE_UNDERFLOW_RATE:
+        amount = f"{low:.1%}" if fields["underflow_rate"] is not None else f"at least {low:.1%} (up to {high:.1%})"
+        found.append(f"{amount} of its gradient elements underflowed to zero in {a.amp.name} (no update for them)")
+    elif high >= NOTE_UNDERFLOW_RATE:
+        found.append(f"up to {high:.1%} of its gradient elements may have underflowed to zero in {a.amp.name} (zeros "
+                     f"the record cannot call underflow or structure)")
     if not found:
         return evidence, []
     command = f"ampdoctor report {shlex.quote(str(a.run.path))}"

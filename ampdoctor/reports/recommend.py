@@ -2,23 +2,29 @@
 
 Every candidate (init_scale 2^0..2^24, growth_interval 100..10000, growth and backoff factors) is
 replayed on the recorded steps (:mod:`ampdoctor.reports.simulate`). Its cost is
-``skipped + steady + uncertain + UNDERFLOW_WEIGHT · steps · underflow_rate``: an underflow rate of
+``skipped + steady + uncertain / 2 + UNDERFLOW_WEIGHT · steps · underflow_rate``: an underflow rate of
 0.1% over the whole run costs as much as skipping 1% of its steps. ``steady`` counts the skips of a
 second pass over the recorded steps, continuing from the first pass's scaler state, so that a
 setting that only looks good because the run ended before its scale grew back into overflow (a
 low init_scale with a short growth_interval) is not chosen. Within the same format a candidate may not
 predict more underflow than the current settings, beyond :data:`UNDERFLOW_TOLERANCE` (absolute)
-or 10% of it, whichever is larger. Among candidates within half a step of the best cost, one that
+or 10% of it, whichever is larger. Among candidates within half a step of the best cost (and within
+that tolerance of the least underflow among them), one that
 stays at least :data:`MARGIN_LOG2` binades below the overflow threshold on every applied step wins
 (gradients grow and vary: a setting right at the edge of the recorded ones overflows on the next
-spike); then the one that changes fewest settings; then torch's defaults; then the highest scale
-(least underflow); then the growth_interval closest to torch's default.
+spike), unless the current settings are among them, which the run itself showed working; then the
+one that changes fewest settings; then torch's defaults; then the init_scale and then the
+growth_interval closest to torch's defaults (the underflow is already within the tolerance).
+
+Underflow is compared by its lower bound: the undecided zeros (:mod:`~ampdoctor.reports.simulate`)
+add about the same to every candidate's upper bound, so they do not change the ranking; the
+contract reports each range.
 
 The verdict is ``keep`` when the current settings win, ``change`` otherwise, ``no_scale_works``
 only when the winner still skips or underflows badly and no candidate avoids every avoidable skip
-within the underflow cap, and ``unknown`` when the underflow at the recorded scale cannot be
-estimated at all (every recorded gradient element was 0: nothing says how far below the cut-off
-they were), in which case no underflow is predicted for any setting.
+within the underflow cap, and ``unknown`` instead of ``keep`` when the undecided zeros at the recorded
+settings are more than :data:`BAD_UNDERFLOW` of the elements: whether they underflowed (and a
+higher scale would recover them) or get no gradient at all, the record cannot tell.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..hooks import ROOT_NAME
 from .formatting import percent, scale_str
-from .simulate import Outcome, Replay, ScalerConfig, known_or_none, replay
+from .simulate import Outcome, Replay, ScalerConfig, replay, underflow_fields
 
 UNDERFLOW_WEIGHT = 10.0
+UNCERTAIN_WEIGHT = 0.5        # a step that may or may not overflow costs half a skipped one
 INIT_EXPONENTS = range(0, 25)
 GROWTH_INTERVALS = (100, 200, 500, 1000, 2000, 5000, 10000)
 GROWTH_FACTORS = (2.0,)
@@ -42,6 +50,7 @@ NEAR = 0.5                    # cost tolerance, in steps
 MARGIN_LOG2 = 2.0             # binades a recommended scale keeps below the overflow threshold
 BAD_SKIPPED = 0.05            # a fraction of skipped steps that no setting should leave
 BAD_UNDERFLOW = 0.01          # an underflow rate that no setting should leave
+COLLAPSE_FACTOR = 16.0        # a scale this far below where it settled, still skipping, has collapsed
 
 
 @dataclass
@@ -67,27 +76,36 @@ def _changed(cfg: ScalerConfig, base: ScalerConfig) -> int:
 
 def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, device: str = "cuda",
               settle_step: int | None = None, worst_modules: list[str] | None = None,
-              hot_activations: list[tuple[str, float]] | None = None) -> dict:
+              hot_activations: list[tuple[str, float]] | None = None, outside: list[str] | None = None) -> dict:
     """The recommendation section of the report contract. ``current`` is None for a run whose
-    scaler was disabled (bf16/fp32): then the question is whether fp16 would work at all."""
+    scaler was disabled (bf16/fp32): then the question is whether fp16 would work at all.
+    ``outside``: for overflow origins outside the tapped modules, the module whose output gradient
+    each reached first."""
     series = prepared.series
     n = len(series)
     base = current or ScalerConfig()
     outcomes = replay(prepared, candidates(current), passes=2)
     baseline = replay(prepared, [base])[0]
     same_format = series.fmt.name == prepared.target.name
-    known = bool(np.isfinite(baseline.underflow_rate))
+    known = baseline.underflow_upper - baseline.underflow_rate <= BAD_UNDERFLOW
     cap = (baseline.underflow_rate + max(UNDERFLOW_TOLERANCE, baseline.underflow_rate * (UNDERFLOW_SLACK - 1))
-           if same_format and current is not None and known else math.inf)
-    scored = [Candidate(o, o.skipped_steps + o.steady_skipped + o.uncertain_steps
-                        + UNDERFLOW_WEIGHT * n * _rate(o), _changed(o.config, base)) for o in outcomes]
-    feasible = [c for c in scored if _rate(c.outcome) <= cap] or scored
+           if same_format and current is not None else math.inf)
+    scored = [Candidate(o, o.skipped_steps + o.steady_skipped + UNCERTAIN_WEIGHT * o.uncertain_steps
+                        + UNDERFLOW_WEIGHT * n * o.underflow_rate, _changed(o.config, base)) for o in outcomes]
+    feasible = [c for c in scored if c.outcome.underflow_rate <= cap] or scored
     best = min(c.cost for c in feasible)
     near = [c for c in feasible if c.cost <= best + NEAR]
+    # Within half a step of cost, a short run's underflow term is small: less underflow beyond the
+    # tolerance still decides (a run of 3 steps at 1.5% underflow is not "as good" as one at 0).
+    least = min(c.outcome.underflow_rate for c in near)
+    near = [c for c in near if c.outcome.underflow_rate <= least + UNDERFLOW_TOLERANCE]
     default = ScalerConfig()
-    chosen = min(near, key=lambda c: (max(0.0, MARGIN_LOG2 - c.outcome.margin_log2), c.changed,
+    # The current settings, when they do as well as the best, are kept: the run itself showed them
+    # working, and any scale drifts into its own overflow margin once it grows anyway.
+    chosen = min(near, key=lambda c: (current is None or c.changed > 0,
+                                      max(0.0, MARGIN_LOG2 - c.outcome.margin_log2), c.changed,
                                       _changed(c.outcome.config, default) > 0,
-                                      -c.outcome.median_log2_scale,
+                                      abs(math.log2(c.outcome.config.init_scale / default.init_scale)),
                                       abs(math.log(c.outcome.config.growth_interval / default.growth_interval)),
                                       c.cost))
     pick = chosen.outcome
@@ -95,51 +113,52 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     # Steps with a non-finite loss are skipped at any scale: no setting is judged by them.
     forced = int(series.forced.sum())
     skipped_fraction = (pick.skipped_steps - forced) / n if n else 0.0
-    clean_exists = any(o.skipped_steps - forced == 0 and _rate(o) <= cap for o in outcomes)
-    if not known:
-        verdict = "unknown"
-    elif (skipped_fraction > BAD_SKIPPED or _rate(pick) > BAD_UNDERFLOW) and not clean_exists:
+    clean_exists = any(o.skipped_steps - forced == 0 and o.underflow_rate <= cap for o in outcomes)
+    if (skipped_fraction > BAD_SKIPPED or pick.underflow_rate > BAD_UNDERFLOW) and not clean_exists:
         verdict = "no_scale_works"
     elif current is not None and chosen.changed == 0:
-        verdict = "keep"
+        verdict = "keep" if known else "unknown"
     else:
         verdict = "change"
     reasons = _reasons(prepared, current, actual, baseline, pick, settle_step)
-    advice = _advice(prepared, verdict, pick, worst_modules or [], hot_activations or [], current)
+    advice = _advice(prepared, verdict, pick, worst_modules or [], hot_activations or [], current, known,
+                     outside or [])
     return {
         "init_scale": cfg.init_scale, "growth_factor": cfg.growth_factor, "backoff_factor": cfg.backoff_factor,
         "growth_interval": int(cfg.growth_interval), "target_dtype": prepared.target.name, "verdict": verdict,
         "code": cfg.code(device, current),
         "reasons": reasons, "advice": advice,
-        "current": {"skipped_steps": int(actual["skipped_steps"]), "underflow_rate": actual["underflow_rate"]},
-        "predicted": {"skipped_steps": pick.skipped_steps, "underflow_rate": known_or_none(pick.underflow_rate),
-                      "uncertain_steps": pick.uncertain_steps},
-        "baseline": {"config": base.to_dict(), "skipped_steps": baseline.skipped_steps,
-                     "underflow_rate": known_or_none(baseline.underflow_rate)},
+        "current": {"skipped_steps": int(actual["skipped_steps"]),
+                    **{k: actual[k] for k in ("underflow_rate", "underflow_rate_min", "underflow_rate_max")}},
+        "predicted": {"skipped_steps": pick.skipped_steps, **_fields(pick), "uncertain_steps": pick.uncertain_steps},
+        "baseline": {"config": base.to_dict(), "skipped_steps": baseline.skipped_steps, **_fields(baseline)},
     }
 
 
-def _rate(outcome: Outcome) -> float:
-    """The underflow rate for comparing candidates: an unknown one (NaN) compares as 0, since
-    then every candidate's is unknown alike."""
-    return outcome.underflow_rate if np.isfinite(outcome.underflow_rate) else 0.0
+def _fields(outcome: Outcome) -> dict:
+    return underflow_fields(outcome.underflow_rate, outcome.underflow_upper)
 
 
-def _underflow(rate: float | None) -> str:
-    if rate is None or not np.isfinite(rate):
-        return "an unknown underflow"
+def _underflow(fields: dict) -> str:
+    """``no underflow``, ``0.5% underflow`` or ``between 0.001% and 96% underflow``."""
+    if fields["underflow_rate"] is None:
+        return (f"between {percent(fields['underflow_rate_min'])} and {percent(fields['underflow_rate_max'])} "
+                f"underflow")
+    rate = fields["underflow_rate"]
     return "no underflow" if rate == 0 else f"{percent(rate)} underflow"
 
 
 def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome, settle_step) -> list[str]:
     series = prepared.series
     cfg = pick.config
+    predicted = _fields(pick)
     out = []
     if current is None:
         out.append(f"recorded in {series.fmt.name} without loss scaling; replayed in {prepared.target.name}: torch's "
                    f"default GradScaler() would skip {baseline.skipped_steps} of {len(series)} steps with "
-                   f"{percent(baseline.underflow_rate)} of gradient elements underflowing")
+                   f"{_underflow(_fields(baseline))}")
     else:
+        median = scale_str(float(np.median(series.scale)))
         if settle_step:
             out.append(f"init_scale={scale_str(current.init_scale)} overflowed at the start: the first "
                        f"{settle_step} step(s) were skipped while the scale backed off to "
@@ -150,20 +169,22 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
                        f"grew (growth_interval={current.growth_interval}): the scale keeps growing back into "
                        f"overflow")
         if actual["underflow_rate"] is None:
-            out.append(f"at the recorded scales (median {scale_str(float(np.median(series.scale)))}) most gradient zeros "
-                       f"were in gradients that were 0 everywhere: how many underflowed cannot be told from the record")
+            undecided = (actual["underflow_rate_max"] or 0.0) - (actual["underflow_rate_min"] or 0.0)
+            out.append(f"at the recorded scales (median {median}) {_underflow(actual).removesuffix(' underflow')} "
+                       f"of gradient elements underflowed to zero: {percent(undecided)} are zeros the record cannot "
+                       f"call underflow or structure (gradients 0 everywhere, or zeros of gradients that reach "
+                       f"the cut-off in numbers)")
         elif actual["underflow_rate"] > 1e-4:
             out.append(f"at the recorded scales an estimated {percent(actual['underflow_rate'])} of gradient elements "
-                       f"underflowed to zero (median scale {scale_str(float(np.median(series.scale)))})")
+                       f"underflowed to zero (median scale {median})")
     out.append(f"overflow starts where the largest gradient times the scale reaches about "
                f"2**{prepared.threshold.log2:.1f} (from {prepared.threshold.source})")
     if current is not None and pick.config == current:
         out.append(f"the current settings are the best found: {pick.skipped_steps} skipped step(s), "
-                   f"{_underflow(pick.underflow_rate)}")
+                   f"{_underflow(predicted)}")
     else:
-        underflow = (f"still {_underflow(0)}" if pick.underflow_rate == actual["underflow_rate"] == 0 else
-                     "an underflow the record cannot predict" if actual["underflow_rate"] is None else
-                     f"{_underflow(pick.underflow_rate)} instead of {_underflow(actual['underflow_rate'])}")
+        underflow = (f"still {_underflow(predicted)}" if predicted["underflow_rate"] == actual["underflow_rate"] == 0
+                     else f"{_underflow(predicted)} instead of {_underflow(actual)}")
         out.append(f"with {cfg.settings(current)} the replay predicts "
                    f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and {underflow}"
                    + (f" ({pick.uncertain_steps} more step(s) uncertain)" if pick.uncertain_steps else ""))
@@ -178,7 +199,7 @@ def _skips_after_growth(series) -> int:
 
 
 def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot: list[tuple[str, float]],
-            current) -> list[str]:
+            current, known: bool, outside: list[str]) -> list[str]:
     series = prepared.series
     out = []
     named = ", ".join(f"`{m}`" for m in worst[:3])
@@ -186,11 +207,21 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
         out.append(f"`{module}` produced activations up to {peak:.3g}, beyond {prepared.target.name}'s max "
                    f"{prepared.target.max:g}: its output overflows at any loss scale; keep it in float32 with "
                    f"`torch.autocast(device_type, enabled=False)` or train in bfloat16")
-    if verdict == "unknown":
-        out.append(f"most gradient zeros at scale {scale_str(float(np.median(series.scale)))} are in gradients that were 0 "
-                   f"everywhere, so whether they underflowed or get no gradient at all cannot be told from the "
-                   f"record (the layers table gives their upper bound). If they should learn, raise init_scale "
-                   f"(torch's default is 2**16) or scale the loss up, and record again")
+    for after in outside[:2]:
+        where = ("the gradient of the loss with respect to the model's output" if after == ROOT_NAME else
+                 f"the gradient flowing back into `{after}`'s output from the code that consumes it (functional "
+                 f"ops after it, or the loss)")
+        fix = "" if verdict == "no_scale_works" else ", which the settings above see to"
+        out.append(f"overflows start outside every tapped module, in {where}: {prepared.target.name} must hold it "
+                   f"times the loss scale{fix}"
+                   + ("" if after == ROOT_NAME else "; to have the op named, move that code into a module"))
+    if not known and current is not None:
+        again = ("record again with the settings above" if verdict == "change" else
+                 "record again at a higher scale or with the loss scaled up")
+        out.append(f"at scale {scale_str(float(np.median(series.scale)))} some zeros cannot be called underflow or "
+                   f"structure (the layers whose 'at most' exceeds their underflow: gradients 0 everywhere, or "
+                   f"zeros of gradients that reach the cut-off in numbers). If those parameters should learn, "
+                   f"{again} and compare: a gradient that reappears at a higher scale had underflowed")
     if verdict == "no_scale_works":
         good = series.amax[series.amax > 0]
         span = (f" (gradients span 2**{np.log2(good.min()):.0f} to 2**{np.log2(good.max()):.0f})"
@@ -200,10 +231,14 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
                    f"underflow is too narrow. Train in bfloat16 (`torch.autocast(..., dtype=torch.bfloat16)`, no "
                    f"GradScaler needed)" + (f", or keep {named} in float32 with `autocast(enabled=False)`"
                                              if named else ""))
-    collapsed = current is not None and len(series) and series.recorded_scale.min() < 1.0
-    tail = slice(-max(1, len(series) // 4), None)
-    late = (series.skipped[tail] & ~series.forced[tail]).mean() if len(series) else 0.0
-    if collapsed or late > 0.2:
+    # Collapsed: after the start-up backoff the scale fell far below where it settled (or below 1)
+    # and the last quarter keeps skipping. Growth that overflows again is not a collapse.
+    n = len(series)
+    settled = int(np.argmax(~series.skipped | series.forced)) if n and (~series.skipped | series.forced).any() else n
+    tail = slice(max(settled, n - max(1, n // 4)), n)
+    late = (series.skipped[tail] & ~series.forced[tail]).mean() if tail.start < n else 0.0
+    fell = (tail.start < n and series.recorded_scale[tail].max() <= series.recorded_scale[settled] / COLLAPSE_FACTOR)
+    if current is not None and settled < n and (series.recorded_scale[settled:].min() < 1.0 or (late > 0.2 and fell)):
         finite = series.l2[(~series.skipped) & np.isfinite(series.l2)]
         clip = f"{np.percentile(finite, 95):.3g}" if len(finite) else "1.0"
         out.append(f"the scale collapsed (min {scale_str(float(series.recorded_scale.min()))}, {percent(late)} of the last "

@@ -14,7 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .formatting import VERDICTS, binades, number, percent, scale_str, setting, shorten
+from .formatting import (VERDICTS, binades, code_spans, number, origin_name, percent, scale_str, setting, shorten,
+                         underflow)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -93,7 +94,12 @@ def _missing_note(missing: dict, section: str) -> str:
 
 def _bullets(items: Iterable[object], cls: str = "") -> str:
     attr = f' class="{cls}"' if cls else ""
-    return f"<ul{attr}>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>"
+    return f"<ul{attr}>" + "".join(f"<li>{_prose(i)}</li>" for i in items) + "</ul>"
+
+
+def _prose(text: object) -> str:
+    """Text from the data, escaped, with its backtick-marked code in ``<code>``."""
+    return "".join(f"<code>{_e(piece)}</code>" if is_code else _e(piece) for piece, is_code in code_spans(str(text)))
 
 
 def _labels(names: Sequence[str], width: int = 44) -> tuple[list[str], str]:
@@ -401,7 +407,7 @@ def _layers_section(layers: Sequence[dict], missing: dict, charts: dict[str, str
 def _origins_section(origins: Sequence[dict], missing: dict) -> str:
     parts = [_missing_note(missing, "overflow_origins")]
     if origins:
-        rows = [[f"<code>{_e(o.get('name', ''))}</code>", _e(o.get("kind", "")), _e(o.get("rank", "—")),
+        rows = [[f"<code>{_e(origin_name(o))}</code>", _e(o.get("kind", "")), _e(o.get("rank", "—")),
                  _e(o.get("count", "—")), _e(o.get("first_step", "—")), _e(o.get("last_step", "—"))]
                 for o in origins]
         parts.append(_table(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
@@ -423,8 +429,8 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> s
         parts.append(_table(["setting", "current", "recommended"], rows, num=(1, 2)))
         cur, pred = rec.get("current") or {}, rec.get("predicted") or {}
         rows = [["skipped steps", _e(cur.get("skipped_steps", "—")), _e(pred.get("skipped_steps", "—"))],
-                ["underflow rate", _e(percent(cur.get("underflow_rate"))),
-                 _e(percent(pred.get("underflow_rate")))]]
+                ["underflow rate", _e(underflow(cur)),
+                 _e(underflow(pred))]]
         parts.append(_table(["on this run", "current", "predicted"], rows, num=(1, 2)))
         if rec.get("code"):
             parts.append(f'<pre><code class="language-python">{_e(rec["code"])}</code></pre>')

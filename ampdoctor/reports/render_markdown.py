@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from .formatting import VERDICTS, binades, number, percent, scale_str, setting
+from .formatting import VERDICTS, binades, code_spans, number, origin_name, percent, scale_str, setting, underflow
 
 LAYER_ROWS = 50
 SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -73,7 +73,19 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Iter
 
 
 def _bullets(items: Iterable[object]) -> list[str]:
-    return [f"- {_text(item)}" for item in items]
+    return [f"- {_prose(item)}" for item in items]
+
+
+def _prose(s: object) -> str:
+    """Text from the data, escaped, with its backtick-marked code as code spans."""
+    out = []
+    for i, (piece, is_code) in enumerate(code_spans(" ".join(str(s).split()))):
+        if is_code:
+            out.append(_code(piece, in_table=False))
+        else:  # escaped as _inline does, keeping the spaces next to the code spans
+            escaped = _INLINE_SPECIAL.sub(r"\\\1", piece)
+            out.append(_LINE_START.sub(_escape_line_start, escaped) if i == 0 else escaped)
+    return "".join(out)
 
 
 def _field(label: str, value: object) -> str:
@@ -147,7 +159,7 @@ def _layers_section(layers: Sequence[dict], missing: dict) -> list[str]:
 def _origins_section(origins: Sequence[dict], missing: dict) -> list[str]:
     lines = ["## Overflow origins", ""]
     if origins:
-        rows = [[o.get("name", ""), o.get("kind", ""), o.get("rank", "—"), o.get("count", "—"),
+        rows = [[origin_name(o), o.get("kind", ""), o.get("rank", "—"), o.get("count", "—"),
                  o.get("first_step", "—"), o.get("last_step", "—")] for o in origins]
         lines += _table(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
                         right=(2, 3, 4, 5), code=(0, 1))
@@ -166,7 +178,7 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> l
         lines += _table(["setting", "current", "recommended"], rows, right=(1, 2), code=(0,)) + [""]
         cur, pred = rec.get("current") or {}, rec.get("predicted") or {}
         rows = [["skipped steps", cur.get("skipped_steps", "—"), pred.get("skipped_steps", "—")],
-                ["underflow rate", percent(cur.get("underflow_rate")), percent(pred.get("underflow_rate"))]]
+                ["underflow rate", underflow(cur), underflow(pred)]]
         lines += _table(["on this run", "current", "predicted"], rows, right=(1, 2))
         if rec.get("code"):
             lines += [""] + _fence(rec["code"], "python")
@@ -212,7 +224,7 @@ def simulate_markdown(sim: dict) -> str:
     outcome = [
         ["skipped steps"] + [f"{r.get('skipped_steps', '—')} ({percent(r.get('skipped_fraction'))})"
                              for r in runs],
-        ["underflow rate"] + [percent(r.get("underflow_rate")) for r in runs],
+        ["underflow rate"] + [underflow(r) for r in runs],
     ] + [[f"{which} scale"] + [scale_str((r.get("scale") or {}).get(which)) for r in runs]
          for which in ("final", "min", "max")]
     lines += ["", "## Outcome", ""] + _table([" "] + cols, outcome, right=right)
@@ -228,7 +240,7 @@ def simulate_markdown(sim: dict) -> str:
     layers = sim.get("layers") or []
     if layers:
         lines += _table(["layer", "kind", "underflow"],
-                        [[layer.get("name", ""), layer.get("kind", ""), percent(layer.get("underflow_rate"))]
+                        [[layer.get("name", ""), layer.get("kind", ""), underflow(layer)]
                          for layer in layers], right=(2,), code=(0, 1))
     else:
         lines.append("No per-layer statistics.")

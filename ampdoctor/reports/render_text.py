@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .formatting import VERDICTS, binades, number, percent, scale_str, setting
+from .formatting import VERDICTS, binades, number, origin_name, percent, scale_str, setting, underflow
 
 
 def _size(n: int) -> str:
@@ -110,7 +110,7 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
         for o in report["overflow_origins"][:10]:
             steps = (f"step {o['first_step']}" if o["first_step"] == o["last_step"]
                      else f"steps {o['first_step']}..{o['last_step']}")
-            out.append(f"  {o['count']:>4}x  {_clip(o['name'], 50)} ({o['kind']}, rank {o['rank']}), {steps}")
+            out.append(f"  {o['count']:>4}x  {_clip(origin_name(o), 50)} ({o['kind']}, rank {o['rank']}), {steps}")
     else:
         out += _wrap(missing.get("overflow_origins", "none: no step overflowed"), "  ")
     out += ["", _heading("Recommendation", color)]
@@ -121,7 +121,7 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
         out.append("  " + _style(rec["code"], color, fg="cyan", bold=True))  # one line: pasteable
         cur, pred = rec["current"], rec["predicted"]
         out.append(f"  predicted: {pred['skipped_steps']} skipped step(s) instead of {cur['skipped_steps']}; "
-                   f"underflow rate {percent(pred['underflow_rate'])} instead of {percent(cur['underflow_rate'])}")
+                   f"underflow rate {underflow(pred)} instead of {underflow(cur)}")
         for reason in rec["reasons"]:
             out += _wrap(reason)
         if rec["advice"]:
@@ -148,7 +148,7 @@ def simulate_text(sim: dict) -> str:
     a_cfg = actual["config"]
     rows = [("skipped steps", str(sim["skipped_steps"]), str(actual["skipped_steps"])),
             ("skipped fraction", percent(sim["skipped_fraction"]), percent(actual["skipped_fraction"])),
-            ("underflow rate", percent(sim["underflow_rate"]), percent(actual["underflow_rate"])),
+            ("underflow rate", underflow(sim), underflow(actual)),
             ("final scale", scale_str(sim["scale"]["final"]), scale_str(actual["scale"]["final"])),
             ("min scale", scale_str(sim["scale"]["min"]), scale_str(actual["scale"]["min"])),
             ("max scale", scale_str(sim["scale"]["max"]), scale_str(actual["scale"]["max"]))]
@@ -159,10 +159,10 @@ def simulate_text(sim: dict) -> str:
         lines.append(f"{sim['uncertain_steps']} more step(s) may also overflow: their magnitude is only a lower bound")
     lines.append(f"overflow threshold: largest gradient x scale > 2**{sim['threshold']['overflow_log2']:.1f} "
                  f"({sim['threshold']['source']})")
-    top = [layer for layer in sim["layers"] if layer["underflow_rate"] is None or layer["underflow_rate"] > 0][:10]
+    top = [layer for layer in sim["layers"] if (layer.get("underflow_rate_max") or layer["underflow_rate"] or 0) > 0][:10]
     if top:
         lines += ["", "layers that would underflow:"]
-        lines += [f"  {_clip(layer['name'], 60):<60} {percent(layer['underflow_rate']):>9}" for layer in top]
+        lines += [f"  {_clip(layer['name'], 60):<60} {underflow(layer):>15}" for layer in top]
     for note in sim["notes"]:
         lines += _wrap(note, "note: ", WIDTH)
     return "\n".join(lines)

@@ -5,7 +5,13 @@ of all gradients, and what the scaler did. A candidate configuration is replayed
 step *overflows* when ``amax · S`` exceeds the overflow threshold T, and then it is skipped and the
 scale backs off; otherwise the scale grows every ``growth_interval`` good steps, as in
 ``torch.amp.GradScaler`` (plus Megatron/DeepSpeed-style hysteresis and min/max scale). Underflow at
-each step's scale comes from :class:`~ampdoctor.reports.underflow.UnderflowModel`.
+each step's scale comes from :class:`~ampdoctor.reports.underflow.UnderflowModel`, as a range:
+the *undecided* zeros, between each tensor's estimate and its upper bound
+(:func:`~ampdoctor.reports.underflow.underflow_bounds`: gradients that were 0 everywhere, zero lines
+of a tensor reaching the cut-off), count towards the upper bound (``underflow_rate_max``) at any
+scale and not towards the lower one (``underflow_rate_min``): nothing recorded says how far below
+the cut-off they were, or whether they are structure. ``underflow_rate`` is the point value when
+the range is narrower than :data:`RANGE_TOLERANCE`, else None.
 
 **The threshold.** Overflow happens wherever a value first exceeds the format, often inside a
 module (an output gradient) rather than in the parameter gradients that are recorded every step,
@@ -39,11 +45,11 @@ import pyarrow as pa
 from ..formats import FLOAT16, FloatFormat
 from .formatting import scale_str
 from .origins import nonfinite_rows
-from .underflow import UnderflowModel, lost_at_cutoff
+from .underflow import UnderflowModel, underflow_bounds
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 GRID = np.arange(-40, 81, dtype=np.float64)  # log2 scales at which per-step underflow is tabulated
-UNKNOWN_SHARE = 0.5  # a step whose zeros are mostly in all-zero gradients has an unknown underflow
+RANGE_TOLERANCE = 1e-4  # an underflow range narrower than this (absolute) is reported as a point
 
 
 
@@ -120,6 +126,7 @@ class StepSeries:
     min_exp: int
     sample_scale: np.ndarray | None = None   # per step: the scale n_zero/hist were measured at (default: scale)
     lost_fraction: np.ndarray | None = None  # per step: of the zeros, the share estimated lost to underflow
+    undecided_fraction: np.ndarray | None = None  # per step: of the zeros, the share undecided
     n_zero_lines: np.ndarray | None = None   # per step: zeros in all-zero lines (NaN where not recorded)
 
     def __len__(self) -> int:
@@ -132,15 +139,27 @@ class StepSeries:
         return np.log2(self.fmt.underflow_below / scale)
 
     def underflow_model(self) -> UnderflowModel:
+        """The underflow of the zeros the estimate counts (not the undecided ones)."""
+        return UnderflowModel(self.hist, self.recorded_cut_log2, self._bounds()[0], self.min_exp)
+
+    def undecided(self) -> np.ndarray:
+        """Per step: zeros whose underflow is undecided at any scale (see the module docstring)."""
+        return self._bounds()[1]
+
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per step: (zeros estimated lost, undecided zeros) at the recorded scale."""
         if self.lost_fraction is not None:
-            at_cut = self.n_zero * self.lost_fraction
-        else:
-            at_cut = lost_at_cutoff(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2, self.min_exp,
-                                    self.n_zero_lines)
-        return UnderflowModel(self.hist, self.recorded_cut_log2, at_cut, self.min_exp)
+            undecided = 0.0 if self.undecided_fraction is None else self.undecided_fraction
+            return self.n_zero * self.lost_fraction, self.n_zero * undecided
+        # A step row sums every gradient: a pile-up there says nothing about one tensor's lines.
+        with np.errstate(invalid="ignore"):
+            estimate, upper = underflow_bounds(self.hist, self.n_zero, self.n_subnormal, self.recorded_cut_log2,
+                                               self.min_exp, self.n_zero_lines, pile_lines=False)
+        lost = np.nan_to_num(estimate, nan=0.0)
+        return lost, np.maximum(upper - lost, 0.0)
 
     def lost_at_recorded(self) -> np.ndarray:
-        """Elements estimated lost to underflow at each step's recorded scale."""
+        """Elements estimated lost to underflow at each step's recorded scale (the lower bound)."""
         return self.underflow_model().lost(np.log2(self.fmt.underflow_below / self.scale))
 
 
@@ -203,19 +222,20 @@ def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
 def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
     """Use the per-parameter underflow estimates of the sampled steps (which tell structural zeros
     from underflowed ones tensor by tensor) instead of the all-gradients estimate: each step takes
-    the share of its zeros that were lost at the nearest sampled step at or before it."""
+    the shares of its zeros that were lost, and that were undecided, interpolated between the
+    sampled steps around it (the nearest one before the first or after the last)."""
     if param_lost is None or param_lost.empty:
         return
-    lost, zeros = param_lost["lost"], param_lost["n_zero"]
-    unknown = param_lost["unknown"] if "unknown" in param_lost else 0.0 * lost
-    # A gradient that is 0 everywhere has no magnitude to judge by: next to gradients of the same
-    # step that did underflow it counts as underflowed too; when it holds most of a step's zeros and
-    # nothing else underflowed, the step's underflow is unknown (NaN).
-    lost = lost + unknown.where(lost > 0, 0.0)
-    share = (lost / zeros.where(zeros > 0)).fillna(0.0)
-    share = share.where(~((lost == 0) & (unknown > UNKNOWN_SHARE * zeros)), np.nan)
-    share = share.reindex(series.steps).ffill().bfill()
-    series.lost_fraction = share.to_numpy(dtype=np.float64)
+    zeros = param_lost["n_zero"].where(param_lost["n_zero"] > 0)
+    undecided = param_lost["undecided"] if "undecided" in param_lost else 0.0 * param_lost["lost"]
+    shares = pd.DataFrame({"lost": (param_lost["lost"] / zeros).fillna(0.0),
+                           "undecided": (undecided / zeros).fillna(0.0)})
+    # Between two sampled steps the shares move linearly (underflow drifts as gradients shrink).
+    steps = shares.index.union(pd.Index(series.steps))
+    shares = shares.reindex(steps).interpolate(method="index", limit_area="inside").ffill().bfill()
+    shares = shares.reindex(series.steps).fillna(0.0)
+    series.lost_fraction = shares["lost"].to_numpy(dtype=np.float64)
+    series.undecided_fraction = shares["undecided"].to_numpy(dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -236,7 +256,8 @@ class Replay:
     threshold: Threshold
     critical_log2: np.ndarray   # per step: the step overflows when log2 S exceeds this
     lower_bound: np.ndarray     # per step: its magnitude is only a lower bound (uncertain below scale)
-    underflow: np.ndarray       # [steps, len(GRID)]: elements lost at each grid scale
+    underflow: np.ndarray       # [steps, len(GRID)]: elements lost at each grid scale (lower bound)
+    undecided: np.ndarray       # [steps]: zeros whose underflow is undecided at any scale
     notes: list[str] = field(default_factory=list)
 
 
@@ -266,11 +287,14 @@ def prepare(series: StepSeries, target: FloatFormat = FLOAT16, *, module_ratio: 
         threshold = Threshold(default, f"the {target.name} max" + (
             f" / {ratio:.3g} (module output gradients)" if ratio > 1 else ""))
         if not same_format:
+            if ratio > 1:
+                why = " over the largest module-to-parameter gradient ratio seen"
+            elif module_ratio is None:
+                why = " (no module rows: record with level='full' to see overflow inside modules)"
+            else:
+                why = " (no module output gradient was larger than the parameter gradients)"
             notes.append(f"recorded in {series.fmt.name}: nothing could overflow {target.name}'s range, so the "
-                         f"threshold is {target.name}'s max" + (" over the largest module-to-parameter gradient "
-                                                                 "ratio seen" if ratio > 1 else
-                                                                 " (no module rows: record with level='full' to "
-                                                                 "see overflow inside modules)"))
+                         f"threshold is {target.name}'s max{why}")
     with np.errstate(divide="ignore"):
         magnitude_log2 = np.log2(np.where(overflowed, estimate, series.amax))
     critical = threshold.log2 - magnitude_log2  # log2 S above which the step overflows
@@ -287,7 +311,8 @@ def prepare(series: StepSeries, target: FloatFormat = FLOAT16, *, module_ratio: 
                      f"prediction assumes they pass (counted as uncertain)")
     if series.forced.any():
         notes.append(f"{int(series.forced.sum())} step(s) had a non-finite loss: skipped at any scale")
-    return Replay(series, target, threshold, critical, unexplained, _underflow_table(series, target), notes)
+    return Replay(series, target, threshold, critical, unexplained, _underflow_table(series, target),
+                  series.undecided(), notes)
 
 
 def _neighbour_estimate(amax: np.ndarray, good: np.ndarray) -> np.ndarray:
@@ -311,7 +336,7 @@ class Outcome:
     config: ScalerConfig
     skipped_steps: int
     uncertain_steps: int
-    underflow_rate: float
+    underflow_rate: float                  # the lower bound: undecided zeros not counted
     scale_final: float
     scale_min: float
     scale_max: float
@@ -319,11 +344,17 @@ class Outcome:
     margin_log2: float                     # the closest an applied step came to overflow, in binades
     steady_skipped: int | None = None      # skips in a second pass over the steps (replay(passes=2))
     trajectory: np.ndarray | None = None   # log2 scale per step (when asked for)
+    underflow_rate_max: float | None = None  # the upper bound: every undecided zero counted (None: as the lower)
+
+    @property
+    def underflow_upper(self) -> float:
+        return self.underflow_rate if self.underflow_rate_max is None else self.underflow_rate_max
 
     def to_dict(self, steps: int) -> dict:
         return {"config": self.config.to_dict(), "skipped_steps": self.skipped_steps,
                 "skipped_fraction": self.skipped_steps / steps if steps else 0.0,
-                "underflow_rate": known_or_none(self.underflow_rate), "uncertain_steps": self.uncertain_steps,
+                **underflow_fields(self.underflow_rate, self.underflow_upper),
+                "uncertain_steps": self.uncertain_steps,
                 "scale": {"final": self.scale_final, "min": self.scale_min, "max": self.scale_max}}
 
 
@@ -352,13 +383,14 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
     steady = np.zeros(c, dtype=np.int64)
     uncertain = np.zeros(c, dtype=np.int64)
     lost = np.zeros(c)
+    undecided_lost = np.zeros(c)
     kept = np.zeros(c)
     smin, smax = log2s.copy(), log2s.copy()
     margin = np.full(c, np.inf)
     trajectory = np.empty((n, c)) if keep_trajectory else None
     critical, lower_bound = prepared.critical_log2, prepared.lower_bound
     recorded_log2 = np.log2(prepared.series.scale)
-    numel, table = prepared.series.numel, prepared.underflow
+    numel, table, undecided = prepared.series.numel, prepared.underflow, prepared.undecided
     grid0, grid_last = GRID[0], len(GRID) - 1
     final = log2s
     for k in range(n * passes):
@@ -379,6 +411,7 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
             w = pos - i
             row = table[t]
             lost += np.where(over, 0.0, row[i] * (1 - w) + row[i + 1] * w)
+            undecided_lost += np.where(over, 0.0, undecided[t])
             kept += np.where(over, 0.0, numel[t])
         else:
             steady += over
@@ -394,13 +427,14 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
         if k == n - 1:
             final = log2s
     rate = np.divide(lost, kept, out=np.zeros(c), where=kept > 0)
+    rate_max = np.divide(lost + undecided_lost, kept, out=np.zeros(c), where=kept > 0)
     median = (np.median(trajectory, axis=0) if trajectory is not None else (smin + smax) / 2)
     out = []
     for j, cfg in enumerate(configs):
         out.append(Outcome(cfg, int(skipped[j]), int(uncertain[j]), float(rate[j]), float(2.0 ** final[j]),
                            float(2.0 ** smin[j]), float(2.0 ** smax[j]), float(median[j]), float(margin[j]),
                            int(steady[j]) if passes > 1 else None,
-                           trajectory[:, j] if trajectory is not None else None))
+                           trajectory[:, j] if trajectory is not None else None, float(rate_max[j])))
     return out
 
 
@@ -422,14 +456,27 @@ def actual_outcome(series: StepSeries, config: ScalerConfig | None) -> dict:
     """What the run itself did, in the simulate contract's shape."""
     n = len(series)
     applied = ~series.skipped
-    lost = series.lost_at_recorded()
+    lost = series.lost_at_recorded()[applied].sum()
     kept = series.numel[applied].sum()
+    low, high = (lost / kept, (lost + series.undecided()[applied].sum()) / kept) if kept else (0.0, 0.0)
     return {"config": config.to_dict() if config is not None else None,
             "skipped_steps": int(series.skipped.sum()),
             "skipped_fraction": float(series.skipped.mean()) if n else 0.0,
-            "underflow_rate": known_or_none(lost[applied].sum() / kept) if kept else 0.0,
+            **underflow_fields(low, high),
             "scale": {"final": float(series.recorded_scale[-1]), "min": float(series.recorded_scale.min()),
                       "max": float(series.recorded_scale.max())} if n else None}
+
+
+def underflow_point(low: float, high: float) -> float | None:
+    """One underflow rate for a range narrower than :data:`RANGE_TOLERANCE`, else None."""
+    return known_or_none(low) if high - low <= RANGE_TOLERANCE else None
+
+
+def underflow_fields(low: float, high: float) -> dict:
+    """The contracts' underflow fields: the point value (None when the record cannot decide) and
+    the range it lies in."""
+    return {"underflow_rate": underflow_point(low, high), "underflow_rate_min": known_or_none(low),
+            "underflow_rate_max": known_or_none(high)}
 
 
 def known_or_none(rate: float) -> float | None:

@@ -21,8 +21,8 @@ from ..schema import HIST_BINS, HIST_MIN_EXP
 from .layers import LayerScan, layer_records, scan_layers, sort_layers
 from .origins import origin_counts
 from .recommend import recommend
-from .simulate import (Replay, ScalerConfig, StepSeries, actual_outcome, attach_param_lost, known_or_none, load_steps,
-                       prepare, recorded_config, replay, with_defaults)
+from .simulate import (Replay, ScalerConfig, StepSeries, actual_outcome, attach_param_lost, load_steps, prepare,
+                       recorded_config, replay, underflow_fields, with_defaults)
 
 MAX_ORIGIN_STEPS = 2000   # anomalous steps whose rows are read for the origins (the first ones)
 HEATMAP_LAYERS = 40
@@ -108,7 +108,14 @@ def rank_origins(analysis: Analysis, warnings: list[str]) -> list[dict]:
     if len(anomalous) > MAX_ORIGIN_STEPS:
         warnings.append(f"origins are from the first {MAX_ORIGIN_STEPS} of {len(anomalous)} anomalous steps")
         anomalous = anomalous[:MAX_ORIGIN_STEPS]
-    return origin_counts(analysis.run, anomalous.tolist())
+    origins = origin_counts(analysis.run, anomalous.tolist())
+    named = sum(o["count"] for o in origins)
+    if origins and named < len(anomalous):
+        warnings.append(f"{len(anomalous) - named} of the {len(anomalous)} anomalous steps have no origin: their "
+                        f"rows do not show where the first non-finite value appeared (no module rows at those "
+                        f"steps, a value received from another rank, or several non-finite parameter gradients "
+                        f"with no module order to tell which came first)")
+    return origins
 
 
 def rank_disagreement(step_rows: pa.Table) -> str | None:
@@ -160,9 +167,10 @@ def build_report(run: Run | str | os.PathLike) -> dict:
     else:
         worst = _worst_modules(origins, layers)
         hot = _hot_activations(a)
+        outside = list(dict.fromkeys(o["after"] for o in origins if o.get("after")))  # once per module, not per rank
         recommendation = recommend(a.prepared, a.current, actual, device=a.device,
                                    settle_step=_settle_count(a.series), worst_modules=worst,
-                                   hot_activations=hot)
+                                   hot_activations=hot, outside=outside)
         warnings.extend(a.prepared.notes)
     return {
         "run": _run_info(a),
@@ -266,11 +274,13 @@ def simulate_run(run: Run | str | os.PathLike, **settings) -> dict:
 
 
 def _predicted_layers(a: Analysis, outcome) -> list[dict]:
-    """Per parameter: the underflow rate predicted at the simulated scale of its sampled steps."""
+    """Per parameter: the underflow predicted at the simulated scale of its sampled steps, as a
+    range where the record leaves zeros undecided (see :mod:`~ampdoctor.reports.simulate`)."""
     from .layers import _hist_matrix
-    from .underflow import UnderflowModel, lost_at_cutoff
+    from .underflow import UnderflowModel, underflow_bounds
 
-    columns = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "hist", "n_zero_lines"]
+    columns = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "n_nan", "n_inf", "hist",
+               "n_zero_lines"]
     table = a.run.table(columns, kinds=["param_grad"])
     if not table.num_rows:
         return []
@@ -279,19 +289,27 @@ def _predicted_layers(a: Analysis, outcome) -> list[dict]:
     hist = _hist_matrix(table.column("hist").combine_chunks(), bins)
     frame = table.drop_columns(["hist"]).to_pandas()
     frame["name"] = frame["name"].astype(str)
+    finite = (frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)).to_numpy() == 0  # overflowed rows: not judged
     scale = frame["scale"].to_numpy(dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         cut = np.log2(a.amp.underflow_below / np.where(scale > 0, scale, np.nan))
-        at_cut = lost_at_cutoff(hist, frame["n_zero"].to_numpy(), frame["n_subnormal"].to_numpy(), cut,
-                                a.series.min_exp, frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan))
-        model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), at_cut, a.series.min_exp)
+        estimate, upper = underflow_bounds(hist, frame["n_zero"].to_numpy(dtype=np.float64),
+                                           frame["n_subnormal"].to_numpy(dtype=np.float64), cut, a.series.min_exp,
+                                           frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan))
+        model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), np.nan_to_num(estimate, nan=0.0), a.series.min_exp)
         log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
         lost = model.lost(np.log2(a.target.underflow_below) - log2s)
-    frame["lost"] = lost  # NaN: unknown (every element 0 at the recorded scale)
-    by = frame.groupby("name").agg(lost=("lost", lambda c: c.sum(min_count=len(c))), numel=("numel", "sum"))
-    by["underflow_rate"] = by["lost"] / by["numel"].clip(lower=1)
-    by = by.sort_values("underflow_rate", ascending=False, na_position="first")
-    return [{"name": n, "kind": "param_grad", "underflow_rate": known_or_none(r)} for n, r in by["underflow_rate"].items()]
+    frame["lost"] = np.where(finite, np.where(np.isnan(estimate), np.nan, lost), 0.0)  # NaN: 0 everywhere
+    frame["upper"] = np.where(finite, np.nan_to_num(lost) + upper - np.nan_to_num(estimate), 0.0)
+    frame["numel"] = np.where(finite, frame["numel"], 0)
+    by = frame.groupby("name").agg(lost=("lost", lambda c: c.sum(min_count=len(c))), upper=("upper", "sum"),
+                                   numel=("numel", "sum"))
+    numel = by["numel"].clip(lower=1)
+    by["underflow_rate"] = by["lost"] / numel
+    by["underflow_rate_max"] = by["upper"] / numel
+    by = by.sort_values(["underflow_rate_max", "underflow_rate"], ascending=False, na_position="first")
+    return [{"name": n, "kind": "param_grad", **underflow_fields(r["underflow_rate"], r["underflow_rate_max"])}
+            for n, r in by.iterrows()]
 
 
 def layers_report(run: Run | str | os.PathLike, sort: str = "underflow", top: int | None = None) -> dict:

@@ -18,22 +18,38 @@ whole row or column of the tensor's 2-D view (``stats.zero_line_elements``).
 * *Underflow needs values near the cut-off.* The zeros outside lines (*scattered*) count as
   underflow when the tensor's subnormals are at least :data:`SUBNORMAL_SUPPORT` times as many:
   then its values reach down to the cut-off in numbers that make the zeros their continuation.
-  Otherwise (no subnormal, or few next to many zeros: ReLU's scattered zeros in a module output
-  gradient) the estimate is the density floor ρ·x₀: the elements per unit magnitude read from
-  the histogram's binades 4x..64x above the cut-off (:data:`DENSITY_BINADES`), times the cut-off.
-* *Upper bound.* A tensor deep in underflow can lose whole lines too (an output gradient whose
-  column underflowed zeroes a row of the weight gradient): so the upper bound is every zero of
-  a tensor with subnormals, and the estimate otherwise. Reports give both.
+  Otherwise (few subnormals next to many zeros: the scattered zeros of a ReLU network, where
+  every input of a weight-gradient element was masked) the estimate is the density floor ρ·x₀:
+  the elements per unit magnitude read from the histogram's binades 4x..64x above the cut-off
+  (:data:`DENSITY_BINADES`), times the cut-off.
+* *A pile-up at the cut-off is underflow, lines included* (:func:`piled_at_cutoff`). With the
+  cut-off in the tail of the magnitudes, each binade holds about twice the one below it; when the
+  binade just above the cut-off holds more than the next one, the cut-off lies in their bulk and
+  most of them fell below it: every zero counts, lines included in a parameter gradient (an
+  attention weight's gradient whose output-gradient columns underflowed loses whole lines), the
+  scattered ones in an output gradient (whose zero lines are masked or ignored positions and dead
+  units, as its own lines were never a weight's).
+* *Upper bound.* A tensor deep in underflow can lose whole lines without a pile-up of its own
+  (the column underflowed upstream, in the output gradient): so the upper bound is every zero of
+  a tensor whose subnormals are at least :data:`UPPER_SHARE` of its nonzero elements, and the
+  estimate otherwise. Reports give both; the zeros between the two are *undecided*.
 * *Unknown.* A tensor with zeros and no nonzero finite value at all (every element 0) has no
-  magnitude to judge by: its underflow is unknown (NaN; upper bound: all of it), never a guess.
+  magnitude to judge by: its underflow is unknown (NaN; upper bound: all of it), never a guess;
+  except where the cut-off lies below 2^:data:`NEGLIGIBLE_LOG2` (bfloat16 or float32 at a
+  moderate scale): no real gradient is that small, so 0 everywhere is structure there. A tensor
+  that held a NaN or inf is not judged at all (callers leave it out: its histogram lost the
+  overflowed values).
 
-**Limits.** Activations (``output`` rows) are not loss-scaled and get no underflow estimate. Line
-zeros of a tensor that is deep in underflow are counted as structural in the estimate (the upper
-bound covers them). Elements whose float32 value is rounding noise of a mathematically zero
-gradient (an attention key bias; a softmax over one element) can be 0 in fp16 and tiny in fp32;
-they are scattered and count as underflow when subnormals support them.
+**Limits.** Activations (``output`` rows) are not loss-scaled and get no underflow estimate. Lines
+that underflowed upstream without a pile-up in the tensor itself (an fp32 embedding gradient; a
+weight whose output gradient underflowed almost entirely) are counted as structure; the upper
+bound covers them. The zeros of a 1-D gradient (a bias) have no lines: a dead unit's bias zero
+counts as underflow when the tensor's other values are subnormal. Elements whose float32 value
+is rounding noise of a mathematically zero gradient (an attention key bias) can be 0 in fp16 and
+tiny in fp32; they count as underflow when subnormals support them.
 ``tests/test_real_models.py`` checks the estimate against an fp32 reference backward on Hugging
-Face GPT-2, T5, ViT and BERT, a nanoGPT-like model, a ReLU MLP and a BatchNorm CNN.
+Face GPT-2, T5, ViT and BERT, a nanoGPT-like model, a ReLU MLP and a BatchNorm CNN, at torch's
+default scale and in heavy underflow.
 
 **At another scale.** Near zero, a gradient's distribution has a smooth, finite density ρ, so the
 number of true magnitudes below a small x is ≈ ρ·x: each binade holds twice as many elements as the
@@ -50,7 +66,11 @@ from __future__ import annotations
 import numpy as np
 
 DENSITY_BINADES = (2, 3, 4, 5)  # binades above the cut-off the density is read from (x₀·2^k)
-SUBNORMAL_SUPPORT = 0.1         # subnormals per scattered zero that make those zeros underflow
+SUBNORMAL_SUPPORT = 2.0         # subnormals per scattered zero that make those zeros underflow
+PILE_MIN = 8                    # a pile-up at the cut-off needs this many elements in its binade ...
+PILE_SHARE = 0.05               # ... and this share of the nonzero ones (piled_at_cutoff)
+UPPER_SHARE = 0.01              # subnormals per nonzero element that put every zero in the upper bound
+NEGLIGIBLE_LOG2 = -100          # no gradient is smaller than 2^-100: a cut-off below it judges nothing
 
 
 def density_near_zero(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> np.ndarray:
@@ -80,8 +100,12 @@ def lost_at_cutoff(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray
 
 
 def underflow_bounds(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray, cut_log2: np.ndarray,
-                     min_exp: int, n_zero_lines: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(estimate, upper bound) of the elements lost at the recorded cut-off, per row."""
+                     min_exp: int, n_zero_lines: np.ndarray | None = None,
+                     pile_lines: np.ndarray | bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(estimate, upper bound) of the elements lost at the recorded cut-off, per row.
+    ``pile_lines``: per row, whether a pile-up at the cut-off counts the zero lines too (parameter
+    gradients), or only the scattered zeros (output gradients, whose zero lines are masked or
+    ignored positions and dead units)."""
     hist = np.asarray(hist)
     zeros = np.asarray(n_zero, dtype=np.float64)
     subnormal = np.asarray(n_subnormal, dtype=np.float64)
@@ -95,9 +119,40 @@ def underflow_bounds(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarr
     crossing = subnormal > 0
     supported = crossing & (subnormal >= SUBNORMAL_SUPPORT * scattered)
     estimate = np.where(supported, np.maximum(scattered, floor), floor)
-    upper = np.where(crossing, zeros, estimate)
-    unknown = (zeros > 0) & (hist.sum(axis=1) == 0)  # every element 0: no magnitude to judge by
+    piled = np.where(pile_lines, zeros, scattered)
+    estimate = np.where(piled_at_cutoff(hist, cut_log2, min_exp), np.maximum(estimate, piled), estimate)
+    # Any zero may have underflowed (lines too, upstream) when the tensor reaches the cut-off in numbers.
+    reaches = crossing & (subnormal >= UPPER_SHARE * hist.sum(axis=1))
+    upper = np.where(reaches, zeros, estimate)
+    # Every element 0: no magnitude to judge by, unless the cut-off lies below any real gradient
+    # (bfloat16 or float32 at a moderate scale), where 0 everywhere is structure.
+    within_reach = np.asarray(cut_log2, dtype=np.float64) > NEGLIGIBLE_LOG2
+    unknown = (zeros > 0) & (hist.sum(axis=1) == 0) & within_reach
     return np.where(unknown, np.nan, estimate), np.where(unknown, zeros, upper)
+
+
+def piled_at_cutoff(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> np.ndarray:
+    """Per row: the magnitudes pile up at the cut-off. The binade just above it (the smallest
+    subnormal's) holds more elements than the binade above that, and at least :data:`PILE_MIN`
+    elements and :data:`PILE_SHARE` of the nonzero ones; no element lies below the cut-off.
+
+    Why: with the cut-off in the tail of a distribution each binade holds about twice the one
+    below it; fewer going up means the cut-off lies in the bulk of the magnitudes, so most of them,
+    whole lines included, fell below it. A tensor with elements below the cut-off was not
+    computed in the format (an fp32 embedding gradient): its zeros did not underflow there."""
+    hist = np.asarray(hist)
+    n, bins = hist.shape
+    cut = np.asarray(cut_log2, dtype=np.float64)
+    first = np.where(np.isfinite(cut), np.floor(cut + 1.0), -np.inf) - min_exp
+    ok = (first > 0) & (first + 1 < bins - 1)  # both binades real bins (not the clamped ends)
+    rows = np.nonzero(ok)[0]
+    index = first[rows].astype(np.int64)
+    low, above = hist[rows, index], hist[rows, index + 1]
+    below = np.cumsum(hist[rows], axis=1)[np.arange(len(rows)), index - 1]
+    total = hist[rows].sum(axis=1)
+    out = np.zeros(n, dtype=bool)
+    out[rows] = (low > above) & (low >= PILE_MIN) & (low >= PILE_SHARE * total) & (below == 0)
+    return out
 
 
 def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: int) -> np.ndarray:
@@ -106,7 +161,8 @@ def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: in
     against the rows: shape [n] or [n, g]."""
     bins = cumsum.shape[1] - 1
     x = np.asarray(x_log2, dtype=np.float64)
-    rel = x - min_exp
+    # An unknown cut-off (NaN: a scale of 0) counts nothing below it; infinities clamp to the ends.
+    rel = np.nan_to_num(x - min_exp, nan=-1.0, posinf=bins + 1.0, neginf=-1.0)
     j = np.clip(np.floor(rel), 0, bins - 1).astype(np.int64)
     frac = np.clip(np.exp2(rel - j) - 1.0, 0.0, 1.0)
     frac = np.where(rel <= 0, 0.0, frac)
