@@ -6,12 +6,16 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
+if TYPE_CHECKING:
+    from .run import Run
+
 from . import __version__
 from .demo import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
-from .errors import AmpdoctorError
+from .errors import AmpdoctorError, one_line
 
 
 class CliError(click.ClickException):
@@ -27,12 +31,12 @@ def library_errors(fn):
         try:
             return fn(*args, **kwargs)
         except AmpdoctorError as exc:
-            raise CliError(str(exc)) from None
+            raise CliError(one_line(str(exc))) from None
         except click.ClickException:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug of ours still gets one line, not a traceback
-            raise CliError(f"internal error: {type(exc).__name__}: {exc} (a bug in ampdoctor; "
-                           f"please report it)") from None
+            raise CliError(one_line(f"internal error: {type(exc).__name__}: {exc} (a bug in ampdoctor; "
+                                    f"please report it)")) from None
 
     return run
 
@@ -68,7 +72,20 @@ def output_format(*choices: str):
                         show_default=True, help="Output format.")
 
 
-run_argument = click.argument("run", type=click.Path(path_type=str))
+def run_argument(fn):
+    """The RUN path argument and the ``--run ID`` option, handed to the command as one read
+    :class:`~ampdoctor.run.Run` (a directory may hold several runs; the latest by default)."""
+
+    @functools.wraps(fn)
+    @library_errors
+    def with_run(*, run: str, run_id: str | None, **kwargs):
+        from .run import read_run
+        return fn(run=read_run(run, run_id), **kwargs)
+
+    with_run = click.option("--run", "run_id", metavar="ID", default=None,
+                            help="Which run of the directory (a run id or its prefix) [default: the latest]")(with_run)
+    # readable=False: an unreadable path gets our one-line error, not click's usage message
+    return click.argument("run", type=click.Path(path_type=str, readable=False))(with_run)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,12 +98,12 @@ def main() -> None:
 @run_argument
 @output_format("text", "json")
 @library_errors
-def info(run: str, fmt: str) -> None:
+def info(run: Run, fmt: str) -> None:
     """Summarise a run: steps, ranks, tensors, schema, size, clean end."""
     from .reports.render_text import info_text
-    from .run import describe, read_run
+    from .run import describe
 
-    data = describe(read_run(run))
+    data = describe(run)
     click.echo(json.dumps(data, indent=2) if fmt == "json" else info_text(data))
 
 
@@ -118,7 +135,7 @@ def _color() -> bool:
               help="Layers shown in the text table.")
 @output_option
 @library_errors
-def report(run: str, fmt: str, top: int, output: str | None) -> None:
+def report(run: Run, fmt: str, top: int, output: str | None) -> None:
     """What happened to the loss scale, which layers underflow or lack headroom, where overflows
     came from, and which GradScaler settings to use instead."""
     from .reports import render
@@ -143,7 +160,7 @@ def report(run: str, fmt: str, top: int, output: str | None) -> None:
 @output_format("text", "md", "json")
 @output_option
 @library_errors
-def simulate(run: str, fmt: str, output: str | None, **settings) -> None:
+def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
     """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
     underflow, next to what the run actually did."""
     from .reports import render
@@ -164,7 +181,7 @@ def simulate(run: str, fmt: str, output: str | None, **settings) -> None:
 @output_format("text", "md", "json")
 @output_option
 @library_errors
-def layers(run: str, sort: str, top: int | None, fmt: str, output: str | None) -> None:
+def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -> None:
     """The per-layer table: underflow, zero and subnormal rates, headroom, amax and amin."""
     from .reports import render
     from .reports.summary import layers_report
@@ -177,7 +194,7 @@ def layers(run: str, sort: str, top: int | None, fmt: str, output: str | None) -
 @output_format("text", "md", "json", "html")
 @output_option
 @library_errors
-def postmortem(run: str, fmt: str, output: str | None) -> None:
+def postmortem(run: Run, fmt: str, output: str | None) -> None:
     """Why the loss (or the parameters) went non-finite: the first event, its cause and origin,
     the steps that led there, and what to change. Exit 0 either way; `status` says which."""
     from .reports import render

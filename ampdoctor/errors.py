@@ -17,3 +17,9 @@ class RecorderError(AmpdoctorError):
     """Recording failed and the scaler was created with ``strict=True``.
 
     Without ``strict`` the same failure only warns once and recording stops."""
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line of printable characters: the messages of pyarrow and the OS may hold
+    newlines and control bytes."""
+    return " ".join("".join(ch if ch.isprintable() else " " for ch in str(text)).split())

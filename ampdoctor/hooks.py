@@ -156,6 +156,39 @@ def _all_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _all_tensors(v)
 
 
+def inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a module hook of ours becomes in a copy of the model: nothing."""
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return inert_hook
+
+
+class ModuleHook:
+    """A hook that belongs to one module object. It runs only when called for that module: a deep
+    copy of the model (EMA, SWA's ``AveragedModel``) or an unpickled one gets :func:`inert_hook`
+    instead, so copies never record under the original's names, and pickling never meets our
+    locks or closures. Holds the module weakly."""
+
+    __slots__ = ("_module", "_fn", "__weakref__")
+
+    def __init__(self, module: nn.Module, fn: Callable[..., Any]) -> None:
+        self._module = weakref.ref(module)
+        self._fn = fn
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if module is not self._module():
+            return None
+        return self._fn(module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return inert_hook
+
+    def __reduce__(self) -> tuple:
+        return _inert, ()  # unpickles as the module-level no-op
+
+
 class ModuleTaps:
     """Forward and gradient taps on the selected modules of one model; feeds a :class:`TapSink`.
 
@@ -180,9 +213,9 @@ class ModuleTaps:
         try:
             for name, module in self.targets:
                 self._handles.append(module.register_forward_pre_hook(
-                    self._pre_hook(name), with_kwargs=True))
+                    ModuleHook(module, self._pre_hook(name)), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
-                    self._post_hook(), with_kwargs=True, always_call=True))
+                    ModuleHook(module, self._post_hook()), with_kwargs=True, always_call=True))
         except BaseException:
             self.remove()
             raise

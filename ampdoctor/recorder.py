@@ -40,7 +40,7 @@ import torch
 from . import __version__
 from .errors import RecorderError
 from .formats import dtype_name, float_format
-from .hooks import ModuleCall, ModuleFilter, ModuleTaps, clean_name, is_compiled, unwrap_compiled
+from .hooks import ModuleCall, ModuleFilter, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_compiled
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
 from .stats import (DeviceStats, HostStats, LightStats, SlotLayouts, extremes, light_stats, peak_magnitudes,
                     peaks, tensor_stats, to_host)
@@ -210,6 +210,8 @@ def _guarded(method):
             return None
         try:
             return method(self, *args, **kwargs)
+        except RecorderError:
+            raise  # strict mode, raised by fail() already: not wrapped a second time
         except Exception as exc:  # noqa: BLE001 - a recorder bug must not stop training
             self.fail(exc)
             return None
@@ -245,6 +247,7 @@ class Recorder:
         self._param_group_cache: dict[tuple, tuple[list, list]] = {}
         self._layouts = SlotLayouts()
         self._reported = False  # a failure has been warned about (or raised)
+        self.dropped_steps = 0  # step records the writer could not take (its queue was full)
         self._sniff_handle = None
         self._amp_dtype = dtype_name(options.amp_dtype) if options.amp_dtype is not None else None
         # Module taps, the flight recorder and escalation.
@@ -290,7 +293,7 @@ class Recorder:
             else:
                 self._taps = ModuleTaps(inner, options.modules, self)
             if self._amp_dtype is None:
-                self._sniff_handle = inner.register_forward_pre_hook(self._sniff_autocast)
+                self._sniff_handle = inner.register_forward_pre_hook(ModuleHook(inner, self._sniff_autocast))
         self.writer = RunWriter(
             self.path, metadata=self._metadata, materialize=self._materialize, rank=self.rank,
             hist_bins=options.hist_bins, flush_every=options.flush_every,
@@ -316,6 +319,15 @@ class Recorder:
             warnings.warn(f"ampdoctor: recording to {self.path} stopped ({type(exc).__name__}: "
                           f"{exc}); training continues unaffected", RuntimeWarning, stacklevel=4)
 
+    def _step_dropped(self) -> None:
+        """The writer is behind (a slow or stalled disk): this step is not recorded, training
+        goes on. Warns once; the count goes into the run's metadata."""
+        self.dropped_steps += 1
+        if self.dropped_steps == 1:
+            warnings.warn(f"ampdoctor: the writer fell behind (a slow or stalled disk at {self.path}); steps "
+                          f"are not recorded while its queue is full (step {self.step} was the first), and the "
+                          f"run will say how many; training continues unaffected", RuntimeWarning, stacklevel=5)
+
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> None:
         """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies)
         and for the writer thread (at most ``timeout`` seconds each when given): host-side waits
@@ -334,9 +346,13 @@ class Recorder:
         self._remove_hooks()
         self.active = False
         _open_recorders.discard(self)
-        self.writer.close(timeout)
+        finished = self.writer.close(timeout)
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
+        elif not finished and not self._reported:
+            self._reported = True
+            warnings.warn(f"ampdoctor: the writer did not finish {self.path} in time (a stalled disk?); its last "
+                          f"steps may be missing", RuntimeWarning, stacklevel=3)
 
     @_guarded
     def set_step(self, step: int) -> None:
@@ -348,6 +364,11 @@ class Recorder:
         self._pending_checks.clear()
         self._last_param_check, self._last_scalars, self._stepped = step - 1, None, False
         self._plan_step()
+
+    def continue_run(self, run_id: str) -> None:
+        """Record into the run ``run_id`` (a resumed run: its scaler's state_dict was loaded),
+        not a new one beside it. Segments written from now on carry that id."""
+        self.run_id = run_id
 
     def _remove_hooks(self) -> None:
         self._remove_sniff()
@@ -612,7 +633,8 @@ class Recorder:
             self._last_param_check = self.step  # queued with this step's record
         self._params, self._params_checked, self._stepped = [], set(), False
         self._backward_scale, self._inv_scales = None, {}
-        self.writer.put(record)
+        if not self.writer.put(record) and not self.writer.closed and not self.writer.failed:
+            self._step_dropped()
         if light is not None:
             light.scalars, light.event = record.scalars, record.event
             self._flight.append(light)
@@ -729,6 +751,7 @@ class Recorder:
             "amp.dtype": self.amp_dtype, "world_size": str(self.world_size),
             "hist.min_exp": str(self.options.hist_min_exp), "hist.bins": str(self.options.hist_bins),
             "run.id": self.run_id, "run.started": self.started, "record.level": self.options.level,
+            "record.dropped_steps": str(self.dropped_steps),
         }
 
     def _materialize(self, record: StepRecord | FlightRecord | ParamRecord):
@@ -920,9 +943,10 @@ def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, op
     Every rank of a run shares one ``run.id``: ``$AMPDOCTOR_RUN_ID`` or torchrun's
     ``$TORCHELASTIC_RUN_ID`` when set, else rank 0's, broadcast. That broadcast is a collective:
     with ``torch.distributed`` initialized (and no such variable), every rank must create its
-    scaler, recording or not. It happens once, at construction."""
+    scaler, recording or not. It happens once, at construction. Rank 0's id is new, except when
+    ``start_step`` > 0 (a resumed run): then it continues the latest run already at the path."""
     rank, world_size = _rank_and_world(options.rank)
-    run_id = _shared_run_id(world_size)
+    run_id = _shared_run_id(world_size, options.path if start_step > 0 else None)
     if options.ranks is not None and rank not in options.ranks:
         return None
     return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
@@ -936,16 +960,27 @@ def _env_run_id() -> str | None:
     return None
 
 
-def _shared_run_id(world_size: int) -> str | None:
+def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None) -> str | None:
     env = _env_run_id()
     if env is not None:
         return env
     dist = torch.distributed
     if world_size > 1 and dist.is_available() and dist.is_initialized():
-        box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        box = [(_latest_run_id(resume_at) or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    return None
+    return _latest_run_id(resume_at)
+
+
+def _latest_run_id(path: str | os.PathLike | None) -> str | None:
+    """The id of the latest run at ``path`` (the one a resumed run continues), or None."""
+    if path is None:
+        return None
+    from .run import read_run  # the reader, lazily: recording does not need it otherwise
+    try:
+        return read_run(path).metadata.get("run.id") or None
+    except Exception:  # noqa: BLE001 - no run there (or none readable): a new run
+        return None
 
 
 def _rank_and_world(rank: int | None) -> tuple[int, int]:
@@ -984,7 +1019,11 @@ def _install_sigterm_handler() -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        close_all_writers()
+        # No lock here: the interrupted frame may hold any of them (a queue's, ours). A program
+        # that handles SIGTERM itself may train on: its runs are flushed, not finished (exit or
+        # close() finishes them); otherwise the default action ends the process: finish them.
+        dies = not callable(previous) and previous != signal.SIG_IGN
+        close_all_writers(from_signal=True, timeout=EXIT_TIMEOUT, finish=dies)
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:

@@ -6,10 +6,11 @@ truncated or half-written segment is skipped with a warning and the rest is stil
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -18,8 +19,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import __version__
-from .errors import RunError
-from .schema import META_FINAL, META_SCHEMA_VERSION, META_SEGMENT, META_WRITER, SCHEMA_VERSION, run_schema
+from .errors import RunError, one_line
+from .formats import FORMATS
+from .schema import (META_FINAL, META_RANK, META_SCHEMA_VERSION, META_SEGMENT, META_WRITER, SCHEMA_VERSION,
+                     run_schema)
 
 _MAGIC = b"PAR1"
 _TYPES = {f.name: f.type for f in run_schema()}
@@ -31,6 +34,7 @@ class Segment:
     rows: int
     size: int
     metadata: dict[str, str]
+    steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Run:
     segments: list[Segment]
     warnings: list[str] = field(default_factory=list)
     _frame: pd.DataFrame | None = field(default=None, repr=False)
+    _bad_segments: set = field(default_factory=set, repr=False)  # paths whose data failed to read
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -62,6 +67,21 @@ class Run:
             w = s.metadata.get(META_WRITER, "")
             out[w] = out.get(w, False) or s.metadata.get(META_FINAL) == "true"
         return out
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps the writers could not take (their queue was full), over all writers: each
+        writer's latest count."""
+        latest: dict[str, tuple[int, int]] = {}
+        for seg in self.segments:
+            try:
+                number, count = int(seg.metadata.get(META_SEGMENT, 0)), int(seg.metadata.get("record.dropped_steps", 0))
+            except ValueError:
+                continue
+            writer = seg.metadata.get(META_WRITER, "")
+            if number >= latest.get(writer, (-1, 0))[0]:
+                latest[writer] = (number, count)
+        return sum(count for _, count in latest.values())
 
     @property
     def ended_cleanly(self) -> bool:
@@ -85,6 +105,7 @@ class Run:
         """The rows (of the given ``kinds`` and ``steps``, when given) as one Arrow table with
         only ``columns``. A segment that fails to read is skipped with a warning."""
         tables = [t for t in (self._read(s, columns, kinds, steps) for s in self.segments) if t is not None]
+        self._check_readable()
         if not tables:
             return _empty_table(columns)
         try:
@@ -106,7 +127,8 @@ class Run:
                     if batch.num_rows:
                         yield _with_columns(batch, columns)
             except (pa.ArrowException, OSError) as exc:
-                self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+                self._unreadable(segment, exc)
+        self._check_readable()
 
     def step_range(self) -> tuple[int, int] | None:
         """The first and last step, from the footers' column statistics (no data read)."""
@@ -138,60 +160,140 @@ class Run:
                 c for c in columns if c in pq.read_schema(segment.path).names]
             table = pq.read_table(segment.path, columns=present, filters=filters or None)
         except (pa.ArrowException, OSError) as exc:
-            self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+            self._unreadable(segment, exc)
             return None
         table = table.replace_schema_metadata(None)
         return table if columns is None else _with_columns(table, columns)
 
+    def _unreadable(self, segment: Segment, exc: BaseException) -> None:
+        """A segment whose data pages failed to read (its footer was fine): skipped, with a warning."""
+        self._bad_segments.add(segment.path)
+        self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+
+    def _check_readable(self) -> None:
+        """Every segment failed to read: this is no readable run (a partial one is reported)."""
+        with_rows = {s.path for s in self.segments if s.rows}
+        if with_rows and with_rows <= self._bad_segments:
+            raise RunError(one_line(f"{self.path}: no readable segments (the data of every segment is damaged: "
+                                    f"{'; '.join(self.warnings[-3:])})"))
+
     def _warn_once(self, message: str) -> None:
+        message = one_line(message)
         if message not in self.warnings:
             self.warnings.append(message)
 
 
-def read_run(path: str | os.PathLike) -> Run:
+def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     """Validate the run at ``path`` (every segment's footer and schema version; the data is read
-    later, on demand). Raises :class:`RunError` for anything not a run."""
+    later, on demand). Raises :class:`RunError` for anything not a run.
+
+    A directory may hold several runs (a path reused by a new run): each ``run.id`` is one run,
+    never mixed with another. ``run_id`` (or a unique prefix of it) selects one; by default the
+    latest started is read, with a warning naming the others. A resumed run (its scaler's
+    ``state_dict`` loaded) keeps its run id, so it continues the same run."""
     root = Path(path)
     if not root.exists():
         raise RunError(f"{root}: no such file or directory")
     if root.is_dir():
-        files = sorted(p for p in root.iterdir()
+        try:
+            entries = list(root.iterdir())
+        except OSError as exc:
+            raise RunError(f"{root}: cannot list the directory ({exc.strerror})") from None
+        files = sorted(p for p in entries
                        if p.is_file() and p.suffix == ".parquet" and not p.name.startswith((".", "_")))
         if not files:
-            unfinished = any(p.name.startswith(".") and p.name.endswith(".tmp") for p in root.iterdir())
+            unfinished = any(p.name.startswith(".") and p.name.endswith(".tmp") for p in entries)
             raise RunError(f"{root}: no finished segments (only a segment still being written)"
                            if unfinished else f"{root}: empty directory, not an ampdoctor run")
+    elif not root.is_file():
+        raise RunError(f"{root}: not a regular file or directory")  # a FIFO would block the read
     else:
         files = [root]
 
     segments, problems, foreign = [], [], []
+    ignored_counts: dict[str, int] = {}  # metadata problems, once each with the segments they were in
     for f in files:
         try:
-            rows, meta = _read_footer(f, single=not root.is_dir())
+            rows, meta, span, bins = _read_footer(f, single=not root.is_dir())
         except _ForeignParquet:
             foreign.append(f)
             continue
         except _BadSegment as exc:
-            problems.append(f"skipped unreadable segment {f.name} ({exc})")
+            problems.append(one_line(f"skipped unreadable segment {f.name} ({exc})"))
             continue
-        segments.append(Segment(f, rows, f.stat().st_size, meta))
+        meta, ignored = _checked_metadata(meta, bins)
+        for message in ignored:
+            ignored_counts[message] = ignored_counts.get(message, 0) + 1
+        segments.append(Segment(f, rows, f.stat().st_size, meta, span))
     if not segments:
         if foreign:
             raise RunError(f"{root}: Parquet written by another tool, not an ampdoctor run "
                            f"(no {META_SCHEMA_VERSION} metadata)")
-        raise RunError(f"{root}: no readable segments ({'; '.join(problems)})")
+        raise RunError(one_line(f"{root}: no readable segments ({'; '.join(problems)})"))
+    problems.extend(f"{message} (in {n} segment(s))" for message, n in ignored_counts.items())
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
-    run = Run(root, segments, problems)
+    segments, choice = _one_run(root, segments, run_id)
+    run = Run(root, segments, choice + problems + _restarts(segments))
     if run.rows == 0:
         raise RunError(f"{root}: empty run, no steps were recorded")
+    if run.dropped_steps:
+        run.warnings.append(f"{run.dropped_steps} step(s) were not recorded: the writer fell behind (a slow or "
+                            f"stalled disk) and training did not wait for it")
     return run
 
 
-def load(path: str | os.PathLike) -> pd.DataFrame:
+def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[list[Segment], list[str]]:
+    """The segments of one run: ``run_id`` (or a unique prefix), else the latest started."""
+    groups: dict[str, list[Segment]] = {}
+    for seg in segments:
+        groups.setdefault(seg.metadata.get("run.id", ""), []).append(seg)
+
+    def latest(rid: str) -> tuple[str, float]:
+        return (max(s.metadata.get("run.started", "") for s in groups[rid]),
+                max(s.path.stat().st_mtime for s in groups[rid]))
+
+    order = sorted(groups, key=latest)
+    listing = ", ".join(f"{rid or '(no id)'} (started {latest(rid)[0] or '?'})" for rid in order)
+    if run_id is not None:
+        matches = [rid for rid in groups if rid == run_id] or [rid for rid in groups if rid.startswith(run_id)]
+        if len(matches) != 1:
+            raise RunError(f"{root}: {'no run' if not matches else 'more than one run'} matches {run_id!r} "
+                           f"(runs here: {listing})")
+        return groups[matches[0]], []
+    if len(groups) == 1:
+        return segments, []
+    chosen = order[-1]
+    return groups[chosen], [f"{root} holds {len(groups)} runs; reading the latest, {chosen or '(no id)'}; choose "
+                            f"another with --run ID (runs here: {listing})"]
+
+
+def _restarts(segments: list[Segment]) -> list[str]:
+    """A warning when two processes of one run recorded the same steps on the same rank (a restart
+    at step 0 without ``start_step`` or a loaded ``state_dict``)."""
+    spans: dict[tuple[str, str], list[int]] = {}
+    for seg in segments:
+        if seg.steps is not None:
+            key = (seg.metadata.get(META_RANK, "0"), seg.metadata.get(META_WRITER, ""))
+            lo, hi = spans.get(key, [seg.steps[0], seg.steps[1]])
+            spans[key] = [min(lo, seg.steps[0]), max(hi, seg.steps[1])]
+    by_rank: dict[str, list[list[int]]] = {}
+    for (rank, _), span in spans.items():
+        by_rank.setdefault(rank, []).append(span)
+    for rank, ranges in sorted(by_rank.items()):
+        ranges.sort()
+        for (lo1, hi1), (lo2, hi2) in zip(ranges, ranges[1:]):
+            if lo2 <= hi1:
+                return [f"steps {lo2}..{min(hi1, hi2)} of rank {rank} were recorded by two processes of this run (a "
+                        f"restart without start_step or the scaler's state_dict?): the reports mix them"]
+    return []
+
+
+def load(path: str | os.PathLike, run_id: str | None = None) -> pd.DataFrame:
     """The run at ``path`` as one DataFrame (one row per observation, DESIGN.md schema).
     ``df.attrs["metadata"]`` holds the run metadata and ``df.attrs["warnings"]`` the skipped
-    segments. Raises :class:`RunError` for a path that is not a readable run."""
-    return read_run(path).frame
+    segments. Raises :class:`RunError` for a path that is not a readable run. ``run_id``: as
+    :func:`read_run`."""
+    return read_run(path, run_id).frame
 
 
 def _segment_order(segment: Segment) -> tuple[str, int, str]:
@@ -254,8 +356,9 @@ class _ForeignParquet(Exception):
     pass
 
 
-def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str]]:
-    """A segment's row count and metadata, from its footer; the data pages are not read."""
+def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str], tuple[int, int] | None, int | None]:
+    """A segment's row count, metadata, step span and histogram bins (the ``hist`` column's list
+    size), from its footer; the data pages are not read."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(4)
@@ -279,6 +382,12 @@ def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str]]:
             raise RunError(f"{path}: unreadable Parquet file ({exc})") from None
         raise _BadSegment(str(exc)) from None
     meta = schema.metadata or {}
+    if META_SCHEMA_VERSION.encode() in meta:
+        wrong = _schema_problem(schema)
+        if wrong:
+            if single:
+                raise RunError(f"{path}: not a readable ampdoctor run ({wrong})")
+            raise _BadSegment(wrong)
     version = meta.get(META_SCHEMA_VERSION.encode())
     if version is None:
         raise _ForeignParquet()
@@ -289,7 +398,93 @@ def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str]]:
     if version_number > SCHEMA_VERSION:
         raise RunError(f"{path}: written with run schema version {version_number}, but ampdoctor "
                        f"{__version__} reads up to version {SCHEMA_VERSION}; upgrade ampdoctor")
-    return footer.num_rows, {k.decode(): v.decode() for k, v in meta.items()}
+    text = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in meta.items()}
+    hist = schema.field("hist").type if "hist" in schema.names else None
+    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else None
+    return footer.num_rows, text, _step_span(footer, schema), bins
+
+
+REQUIRED = ("step", "rank", "kind", "name", "scale", "skipped")  # columns every segment must have
+
+
+def _schema_problem(schema: pa.Schema) -> str | None:
+    """What makes a segment's columns unusable: a required column missing, or a column whose type
+    the run schema does not allow (a column of a later schema version may be missing)."""
+    missing = [c for c in REQUIRED if c not in schema.names]
+    if missing:
+        return f"no {', '.join(missing)} column"
+    for field in schema:
+        expected = _TYPES.get(field.name)
+        if expected is None:
+            continue
+        ok = field.type == expected or (
+            pa.types.is_dictionary(expected) and (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+                                                  or (pa.types.is_dictionary(field.type)
+                                                      and pa.types.is_string(field.type.value_type))))
+        if field.name == "hist":
+            ok = pa.types.is_fixed_size_list(field.type) and field.type.value_type == pa.int32()
+        if not ok:
+            return f"column {field.name} is {field.type}, not {expected}"
+    return None
+
+
+# Metadata values the readers parse: a value that is not valid is ignored (the default applies), with a warning.
+def _positive(v: float) -> bool:
+    return math.isfinite(v) and 0 < v <= 3.4e38
+
+
+_METADATA_CHECKS: dict[str, tuple[type, Callable[[float], bool], str]] = {
+    "scaler.init_scale": (float, _positive, "a positive float32"),
+    "scaler.growth_factor": (float, lambda v: math.isfinite(v) and v > 1, "a number above 1"),
+    "scaler.backoff_factor": (float, lambda v: 0 < v < 1, "a number between 0 and 1"),
+    "scaler.growth_interval": (int, lambda v: v >= 1, "an integer of at least 1"),
+    "world_size": (int, lambda v: v >= 1, "an integer of at least 1"),
+    "hist.bins": (int, lambda v: 2 <= v <= 4096, "an integer from 2 to 4096"),
+    "hist.min_exp": (int, lambda v: -1100 <= v <= 1100, "an exponent from -1100 to 1100"),
+    "record.dropped_steps": (int, lambda v: v >= 0, "a count"),
+}
+
+
+def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tuple[dict[str, str], list[str]]:
+    """``meta`` without the values the readers could not use, and a message for each; ``hist.bins``
+    is the ``hist`` column's own size (``hist_bins``) when the segment has one."""
+    out, ignored = dict(meta), []
+    for key, (kind, valid, what) in _METADATA_CHECKS.items():
+        if key not in meta:
+            continue
+        try:
+            value = kind(float(meta[key])) if kind is int else float(meta[key])
+            good = valid(value) and (kind is not int or float(meta[key]).is_integer())
+        except (ValueError, OverflowError):
+            good = False
+        if not good:
+            ignored.append(f"ignored metadata {key}={meta[key]!r} (not {what})")
+            del out[key]
+    for key, allowed in (("amp.dtype", tuple(FORMATS)), ("record.level", ("steps", "params", "full"))):
+        if key in meta and meta[key] not in allowed:
+            ignored.append(f"ignored metadata {key}={meta[key]!r} (not one of {', '.join(allowed)})")
+            del out[key]
+    if hist_bins is not None and out.get("hist.bins", str(hist_bins)) != str(hist_bins):
+        ignored.append(f"ignored metadata hist.bins={meta['hist.bins']!r} (the hist column has {hist_bins} bins)")
+    if hist_bins is not None:
+        out["hist.bins"] = str(hist_bins)
+    return out, ignored
+
+
+def _step_span(footer: pq.FileMetaData, schema: pa.Schema) -> tuple[int, int] | None:
+    """The first and last step of a segment from its row groups' statistics (None if unknown)."""
+    index = schema.get_field_index("step")
+    lo = hi = None
+    for g in range(footer.num_row_groups):
+        group = footer.row_group(g)
+        if index < 0 or group.num_rows == 0:
+            continue
+        stats = group.column(index).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        lo = stats.min if lo is None else min(lo, stats.min)
+        hi = stats.max if hi is None else max(hi, stats.max)
+    return None if lo is None else (int(lo), int(hi))
 
 
 def describe(run: Run) -> dict:

@@ -12,7 +12,6 @@ Synchronisation: no method here adds a host-device sync. ``step()`` keeps torch'
 
 from __future__ import annotations
 
-import copyreg
 import os
 from typing import Any
 
@@ -23,6 +22,7 @@ from .recorder import Recorder, RecordOptions, recorder_for
 
 _RECORDER = "_ampdoctor_recorder"
 _STEP_KEY = "ampdoctor.step"
+_RUN_KEY = "ampdoctor.run_id"
 
 
 class _Recording:
@@ -83,19 +83,25 @@ class _Recording:
             rec.after_update(scalars)
 
     def state_dict(self) -> dict[str, Any]:
-        """As torch, plus ``"ampdoctor.step"`` (ignored by torch's loader) so a resumed run
-        continues its step numbering. Syncs, as torch's does."""
+        """As torch, plus ``"ampdoctor.step"`` and ``"ampdoctor.run_id"`` (ignored by torch's
+        loader) so a resumed run continues its step numbering in the same run. Syncs, as torch's
+        does."""
         state = super().state_dict()
         rec = self.recorder
         if state and rec is not None:
             state[_STEP_KEY] = rec.step
+            state[_RUN_KEY] = rec.run_id
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch. A state saved by a recording scaler continues its run: the same run id and
+        the step numbering after its last step. No sync."""
         super().load_state_dict(state_dict)
         rec = self.recorder
         if rec is not None and _STEP_KEY in state_dict:
             rec.set_step(int(state_dict[_STEP_KEY]))
+        if rec is not None and state_dict.get(_RUN_KEY):
+            rec.continue_run(str(state_dict[_RUN_KEY]))
 
     def close(self) -> None:
         """Flush and finish the run; the scaler keeps working (without recording). Idempotent."""
@@ -115,8 +121,19 @@ class _Recording:
         return state
 
     def __reduce_ex__(self, protocol):
-        # Pickle as the plain class for wrapped scalers (their class is made at run time).
-        return copyreg.__newobj__, (type(self)._ampdoctor_plain_class,), self.__getstate__()
+        # Pickle as the plain class (a wrapped scaler's class is made at run time), under every
+        # protocol: copyreg.__newobj__ would insist on the instance's own class.
+        return _unpickle_plain, (type(self)._ampdoctor_plain_class, self.__getstate__())
+
+
+def _unpickle_plain(cls: type, state: dict[str, Any]):
+    """An unpickled scaler: ``cls`` (the plain class) with the pickled state, not recording."""
+    obj = cls.__new__(cls)
+    if hasattr(obj, "__setstate__"):
+        obj.__setstate__(state)
+    else:  # pragma: no cover - torch's GradScaler defines __setstate__
+        obj.__dict__.update(state)
+    return obj
 
 
 class GradScaler(_Recording, torch.amp.GradScaler):

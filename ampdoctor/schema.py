@@ -24,7 +24,7 @@ META_RANK = "rank"
 META_KEYS = (
     META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, "scaler.class", "scaler.init_scale",
     "scaler.growth_factor", "scaler.backoff_factor", "scaler.growth_interval", "amp.dtype", "device",
-    "world_size", "hist.min_exp", "hist.bins", "run.id", "run.started", "record.level",
+    "world_size", "hist.min_exp", "hist.bins", "run.id", "run.started", "record.level", "record.dropped_steps",
 )
 
 _STRING = pa.dictionary(pa.int32(), pa.string())

@@ -250,8 +250,21 @@ def peaks(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) ->
                                    tensors[0].device)
         top = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
         if norms is None:
-            norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            norms = _float32_norms(tensors)
         return torch.where(torch.isnan(norms), norms, top)
+
+
+def _float32_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 ``[len(tensors)]``: fused L2 norms (one device). A tensor wider than float32
+    (float64) is reduced in its own precision and then cast: torch refuses a narrowing ``dtype=``.
+    No sync."""
+    wide = [t.element_size() > 4 for t in tensors]
+    if not any(wide):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    narrow = iter(torch._foreach_norm([t for t, w in zip(tensors, wide) if not w], 2, dtype=torch.float32)
+                  if not all(wide) else [])
+    widened = iter(n.float() for n in torch._foreach_norm([t for t, w in zip(tensors, wide) if w], 2))
+    return torch.stack([next(widened) if w else next(narrow) for w in wide])
 
 
 def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | None) -> LightStats:
@@ -268,7 +281,7 @@ def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | No
         if tensors[0].device.type == "cpu":
             norms, top = _cpu_light_stats(tensors)
         else:
-            norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            norms = _float32_norms(tensors)
             top = peaks(tensors, norms)
         if inv_scale is not None:
             top, norms = top * inv_scale, norms * inv_scale  # as torch's unscale_: fp32 products
@@ -289,6 +302,8 @@ def _cpu_light_stats(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tor
         if t.dtype == torch.float32 and t.is_contiguous():
             flat = t.view(-1)
             norms.append(torch.dot(flat, flat).sqrt())
+        elif t.element_size() > 4:  # float64: torch refuses a narrowing dtype=; reduce, then cast
+            norms.append(torch.linalg.vector_norm(t).float())
         else:  # a half-precision dot would overflow at 65504
             norms.append(torch.linalg.vector_norm(t, dtype=torch.float32))
         pairs.append(extremes(t))

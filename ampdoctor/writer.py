@@ -10,6 +10,18 @@ killed process loses at most the steps since the last segment.
 A failure in the worker (disk full, permission denied, a bug of ours) is kept and recording
 stops: later records are dropped. ``error`` hands the exception back to the training thread,
 which warns once, or raises it when the user asked for ``strict=True``.
+
+**Training never waits on the writer beyond these bounds:**
+
+* ``put`` never blocks: when the queue is full (a slow or stalled disk) the record is dropped and
+  counted in ``dropped``;
+* ``sync`` (after an anomaly) waits at most :data:`SYNC_TIMEOUT` seconds, and not at all while
+  an earlier sync is still pending (the writer is behind);
+* ``close`` waits at most :data:`CLOSE_TIMEOUT` seconds (or its ``timeout``), also when the
+  queue is full; the signal path (:func:`close_all_writers` with ``from_signal``) takes no lock
+  and no queue operation, since the interrupted code may hold them;
+* a worker thread that died (not through a failure it caught) is noticed at the next ``put``,
+  ``sync`` or ``failed`` and reported as the error.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +44,9 @@ import pyarrow.parquet as pq
 from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
 
 _CLOSE = object()   # shutdown sentinel
+SYNC_TIMEOUT = 30.0   # seconds an anomaly's sync may wait for the writer (once per stall)
+CLOSE_TIMEOUT = 30.0  # seconds close() may wait for the writer
+POLL_SECONDS = 0.5    # how often an idle worker looks for a close requested without the queue
 
 
 class _Sync:
@@ -130,9 +146,14 @@ class RunWriter:
         self._last_flush = time.monotonic()
         self._error: BaseException | None = None
         self._closed = False
+        self._closing = False      # set without a lock (the signal path); the worker finishes then
+        self._finished = False     # the worker returned normally
+        self._sync: threading.Event | None = None  # the last sync's, while pending
+        self._flush_request: threading.Event | None = None  # set by the worker once flushed (signal path)
         self._close_lock = threading.Lock()
         self.rows_written = 0
         self.bytes_written = 0
+        self.dropped = 0           # records dropped because the queue was full
         # Daemon: a non-daemon thread would be joined before atexit handlers run, i.e. forever.
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -143,50 +164,102 @@ class RunWriter:
     @property
     def error(self) -> BaseException | None:
         """The worker's failure, if any (recording has stopped then)."""
+        self._check_alive()
         return self._error
 
     @property
     def failed(self) -> bool:
-        return self._error is not None
+        return self.error is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._closing
+
+    def _check_alive(self) -> None:
+        if self._error is None and not self._finished and not self._thread.is_alive():
+            self._error = RuntimeError("the writer thread died")
 
     def put(self, record: Any) -> bool:
-        """Queue a record; blocks only while the queue is full. False if recording has stopped."""
-        if self._closed or self._error is not None:
+        """Queue a record; never blocks. False if it was not queued: recording has stopped, or
+        the queue is full (then it is counted in ``dropped``)."""
+        if self.closed or self.failed:
             return False
-        self._queue.put(record)
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+            return False
         return True
 
-    def sync(self, timeout: float = 30.0) -> bool:
-        """Block until every record queued so far is written to a closed segment (used after an
-        anomaly, so that its rows are on disk before the process can die). False on time-out or
-        when recording has stopped. No device sync: the records' events have completed."""
-        if self._closed or self._error is not None:
+    def sync(self, timeout: float | None = None) -> bool:
+        """Wait until every record queued so far is written to a closed segment (used after an
+        anomaly, so that its rows are on disk before the process can die), at most ``timeout``
+        (:data:`SYNC_TIMEOUT`) seconds; not at all while an earlier sync is pending or the queue
+        is full (the writer is behind). False when it did not complete. No device sync: the
+        records' events have completed."""
+        if self.closed or self.failed or (self._sync is not None and not self._sync.is_set()):
             return False
         done = threading.Event()
-        self._queue.put(_Sync(done))
-        return done.wait(timeout)
+        try:
+            self._queue.put_nowait(_Sync(done))
+        except queue.Full:
+            return False
+        self._sync = done
+        return done.wait(SYNC_TIMEOUT if timeout is None else timeout)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Write the last segment and stop the worker. Idempotent; waits for the worker."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Write the last segment and stop the worker. Idempotent. Waits at most ``timeout``
+        (:data:`CLOSE_TIMEOUT`) seconds; False if the worker did not finish in time (a stalled
+        disk: what it still held is lost)."""
         with self._close_lock:
             if self._closed:
-                return
+                return not self._thread.is_alive()
             self._closed = True
-        self._queue.put(_CLOSE)
-        self._thread.join(timeout)
+        self._closing = True
+        try:
+            self._queue.put_nowait(_CLOSE)  # wakes the worker; when full it sees _closing once drained
+        except queue.Full:
+            pass
+        self._thread.join(CLOSE_TIMEOUT if timeout is None else timeout)
         with _open_lock:
             _open_writers.discard(self)
+        return not self._thread.is_alive()
+
+    def close_from_signal(self, timeout: float) -> None:
+        """``close`` for a signal handler: no lock, no queue operation (the interrupted frame may
+        hold the queue's lock); the worker drains the queue and writes the last segment."""
+        self._closing = True
+        self._thread.join(timeout)
+
+    def flush_from_signal(self, timeout: float) -> None:
+        """Write what is queued to a segment and keep recording (a signal the program handles
+        itself and may survive). No lock, no queue operation, as ``close_from_signal``."""
+        done = threading.Event()
+        self._flush_request = done
+        done.wait(timeout)
 
     # -- worker side ----------------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            timeout = max(0.05, self._flush_seconds - (time.monotonic() - self._last_flush))
+            timeout = max(0.05, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush)))
             try:
                 item = self._queue.get(timeout=timeout)
             except queue.Empty:
-                item = _FLUSH if self._pending.rows else None
+                request = self._flush_request
+                if self._closing:  # close requested without the sentinel: the queue is drained
+                    item = _CLOSE
+                elif request is not None:  # a flush requested from a signal handler: drained now
+                    self._flush_request = None
+                    if self._pending.rows:
+                        self._guarded(lambda: self._write_segment(final=False))
+                    request.set()
+                    continue
+                else:
+                    due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
+                    item = _FLUSH if due else None
             if item is _CLOSE:
                 self._guarded(lambda: self._write_segment(final=True))
+                self._finished = True
                 return
             if isinstance(item, _Sync):
                 if self._pending.rows:
@@ -206,6 +279,8 @@ class RunWriter:
         try:
             action()
         except BaseException as exc:  # noqa: BLE001 - every failure must stop recording, not training
+            # The traceback's frames hold what failed (pyarrow's open file): let them go now.
+            traceback.clear_frames(exc.__traceback__)
             self._error = exc  # handed back to the training thread, which warns once (or raises)
             self._pending = Columns()
 
@@ -231,7 +306,12 @@ class RunWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         name = f"part-r{self.rank:05d}-{self.writer_id}-{self._segment:06d}.parquet"
         tmp = self.path / f".{name}.tmp"
-        pq.write_table(table, tmp, compression="zstd")
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink:  # closed at once, also when the write fails
+                pq.write_table(table, sink, compression="zstd")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.path / name)  # atomic: readers see whole segments only
         self.bytes_written += (self.path / name).stat().st_size
         self.rows_written += table.num_rows
@@ -239,12 +319,34 @@ class RunWriter:
         self._pending = Columns()
 
 
-def close_all_writers() -> None:
-    """Close every open writer (at interpreter exit and on SIGTERM)."""
-    with _open_lock:
-        writers = list(_open_writers)
+def close_all_writers(*, from_signal: bool = False, timeout: float | None = None, finish: bool = True) -> None:
+    """Close every open writer (at interpreter exit and on SIGTERM), within ``timeout``
+    (:data:`CLOSE_TIMEOUT`) seconds in all. ``from_signal``: take no lock (see
+    :meth:`RunWriter.close_from_signal`); with ``finish=False`` only write what is queued and
+    keep recording (the program handles the signal itself and may go on)."""
+    deadline = time.monotonic() + (CLOSE_TIMEOUT if timeout is None else timeout)
+    if from_signal:
+        writers = _snapshot_without_lock()
+    else:
+        with _open_lock:
+            writers = list(_open_writers)
     for w in writers:
-        w.close(timeout=30)
+        left = max(0.0, deadline - time.monotonic())
+        if from_signal and not finish:
+            w.flush_from_signal(left)
+        elif from_signal:
+            w.close_from_signal(left)
+        else:
+            w.close(timeout=left)
+
+
+def _snapshot_without_lock() -> list["RunWriter"]:
+    for _ in range(10):  # another thread may add or remove a writer meanwhile
+        try:
+            return list(_open_writers)
+        except RuntimeError:
+            continue
+    return []
 
 
 atexit.register(close_all_writers)

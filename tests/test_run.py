@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pandas as pd
@@ -134,3 +135,75 @@ def test_single_segment_file(run_path):
     truncated.write_bytes(seg.read_bytes()[:-10])
     with pytest.raises(RunError, match="truncated"):
         read_run(truncated)
+
+
+# -- one run per run id (issue 16) --------------------------------------------------------------------
+
+def _train_scaler(scaler, model, steps, seed=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in batches(steps, seed=seed):
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_a_new_run_on_a_reused_path_is_kept_apart(run_path):
+    """A script run twice with the same path: two runs in one directory, never mixed. Readers
+    take the latest and say so; --run (a run id or its prefix) picks the other."""
+    import time as _time
+
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+    from ampdoctor.reports.summary import build_report
+
+    record(run_path, steps=6, init_scale=2.0**24)  # skips its first steps
+    first = read_run(run_path).metadata["run.id"]
+    _time.sleep(1.1)  # run.started has a resolution of one second
+    record(run_path, steps=4)
+    run = read_run(run_path)
+    second = run.metadata["run.id"]
+    assert second != first
+    assert sorted(run.frame.loc[run.frame.kind == "step", "step"]) == [0, 1, 2, 3]
+    assert any("holds 2 runs; reading the latest" in w and first in w for w in run.warnings)
+    report = build_report(run)
+    assert report["scale"]["skipped_steps"] == 0 and report["run"]["scaler"]["init_scale"] == 2.0**16
+    older = read_run(run_path, first[:8])
+    assert older.metadata["run.id"] == first and older.warnings == []
+    assert build_report(older)["scale"]["skipped_steps"] > 0
+    cli = CliRunner()
+    result = cli.invoke(main, ["info", str(run_path), "--run", first[:8], "--format", "json"])
+    assert result.exit_code == 0 and json.loads(result.output)["run_ids"] == [first]
+    result = cli.invoke(main, ["report", str(run_path), "--run", "nope"])
+    assert result.exit_code == 2 and "no run matches 'nope'" in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_a_resumed_run_continues_the_same_run(run_path):
+    """The scaler's state_dict carries the run id and the step: loading it in a new scaler
+    (a restart from a checkpoint) appends to the same run, steps continuing."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=run_path)
+    _train_scaler(scaler, model, 5)
+    checkpoint = scaler.state_dict()
+    scaler.close()
+    resumed = ampdoctor.GradScaler("cpu", model=model, path=run_path)
+    resumed.load_state_dict(checkpoint)
+    _train_scaler(resumed, model, 3, seed=2)
+    resumed.close()
+    run = read_run(run_path)
+    assert run.warnings == []
+    assert len({s.metadata["run.id"] for s in run.segments}) == 1
+    assert sorted(run.frame.loc[run.frame.kind == "step", "step"]) == list(range(8))
+
+
+def test_a_restart_from_step_0_in_the_same_run_is_warned_about(run_path, monkeypatch):
+    """Two processes with the same run id (AMPDOCTOR_RUN_ID) both recording from step 0: the
+    reader says the steps were recorded twice."""
+    monkeypatch.setenv("AMPDOCTOR_RUN_ID", "shared")
+    record(run_path, steps=4)
+    record(run_path, steps=4)
+    run = read_run(run_path)
+    assert any("steps 0..3 of rank 0 were recorded by two processes" in w for w in run.warnings), run.warnings

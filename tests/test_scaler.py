@@ -302,11 +302,78 @@ def test_wrap_subclass_sharded_grad_scaler(run_path):
     assert type(scaler) is ShardedGradScaler
 
 
-def test_wrapped_scaler_pickles_as_plain_class(run_path):
-    scaler = ampdoctor.wrap(torch.amp.GradScaler("cpu", init_scale=8.0), path=run_path)
-    clone = copy.deepcopy(scaler)
-    assert type(clone) is torch.amp.GradScaler and clone.get_scale() == 8.0
+@pytest.mark.parametrize("how", ["deepcopy"] + [f"protocol {p}" for p in range(pickle.HIGHEST_PROTOCOL + 1)]
+                         + ["torch.save"])
+def test_wrapped_scaler_pickles_as_plain_class(run_path, how):
+    """Every protocol and torch.save (protocol 2's __newobj__ check once refused the generated
+    subclass); the copy is the plain class with the same state and does not record."""
+    import io
+
+    def clone(obj):
+        if how == "deepcopy":
+            return copy.deepcopy(obj)
+        if how == "torch.save":
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            buffer.seek(0)
+            return torch.load(buffer, weights_only=False)
+        return pickle.loads(pickle.dumps(obj, protocol=int(how.split()[1])))
+
+    scaler = ampdoctor.wrap(torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=7), path=run_path / "w")
+    copied = clone(scaler)
+    assert type(copied) is torch.amp.GradScaler and copied.get_scale() == 8.0
+    assert copied.get_growth_interval() == 7 and not hasattr(copied, "recorder")
     scaler.close()
+    own = ampdoctor.GradScaler("cpu", init_scale=4.0, path=run_path / "g")
+    copied = clone(own)
+    assert type(copied) is ampdoctor.GradScaler and copied.get_scale() == 4.0 and copied.recorder is None
+    own.close()
+
+
+def test_copies_of_a_tapped_model_work_and_never_record(run_path):
+    """EMA and SWA copies (deepcopy, AveragedModel), pickles and torch.save of a model that
+    ampdoctor taps, taken before the first forward (the autocast sniffer is on) or mid-run: they
+    work, and their forwards are never recorded as the original's."""
+    import io
+
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", every=1)
+    early = copy.deepcopy(model)
+    pickle.dumps(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    copies = [early]
+    for i, (x, y) in enumerate(batches(4)):
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if i == 1:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            swa = torch.optim.swa_utils.AveragedModel(model)
+            copies += [copy.deepcopy(model), swa, torch.load(buffer, weights_only=False),
+                       pickle.loads(pickle.dumps(model))]
+        if i >= 1:
+            swa.update_parameters(model)
+            with torch.no_grad():
+                for c in copies:
+                    c(x)
+    scaler.close()
+    frame = read_run(run_path).frame
+    outputs = frame[frame.kind == "output"].groupby("step").size()
+    assert outputs.nunique() == 1 and outputs.iloc[0] == outputs.loc[0]  # the copies added no rows
+    torch.manual_seed(0)
+    reference = MLP()
+    plain = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    for x, y in batches(4):
+        plain.scale(mse(reference, x, y)).backward()
+        plain.step(opt)
+        plain.update()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
 def test_context_manager_and_close_are_idempotent(run_path):

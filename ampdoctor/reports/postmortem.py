@@ -513,7 +513,7 @@ def _activation_peaks(run: Run, steps: list[int], rank: int) -> dict[int, tuple[
         if bad.any():
             r = rows[bad].iloc[0]
             out[int(step)] = (str(r["name"]), "non-finite")
-        elif len(rows):
+        elif amax.notna().any():
             i = amax.idxmax()
             out[int(step)] = (str(rows.loc[i, "name"]), float(amax[i]))
     return out

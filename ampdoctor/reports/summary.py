@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..formats import FLOAT16, FloatFormat, float_format
 from ..run import Run, read_run
@@ -54,6 +55,7 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     min_exp = int(meta.get("hist.min_exp", HIST_MIN_EXP))
     bins = int(meta.get("hist.bins", HIST_BINS))
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)
+    scan.step_rows = _with_valid_scale(scan.step_rows, run)
     series = load_steps(scan.step_rows, amp, min_exp, bins)
     attach_param_lost(series, scan.param_lost)
     # fp16 is the format a scaler is for: a bf16/fp32 run is asked whether fp16 would work.
@@ -66,6 +68,20 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     level = meta.get("record.level") or ("full" if scan.layers["kind"].isin(["output", "grad_output"]).any() else (
         "params" if len(scan.layers) else "steps"))
     return Analysis(run, amp, target, series, scan, prepared, current, level)
+
+
+def _with_valid_scale(step_rows: pa.Table, run: Run) -> pa.Table:
+    """The step rows whose scale is a number (0 included: a collapsed scale); the others (a
+    damaged or foreign file) are left out, with a warning."""
+    if not step_rows.num_rows:
+        return step_rows
+    scale = step_rows.column("scale")
+    valid = pc.fill_null(pc.and_(pc.is_finite(scale), pc.greater_equal(scale, 0)), False)
+    bad = step_rows.num_rows - pc.sum(valid).as_py()
+    if bad:
+        run.warnings.append(f"left out {bad} step row(s) whose scale is not a number")
+        step_rows = step_rows.filter(valid)
+    return step_rows
 
 
 def _format(name: str | None) -> FloatFormat:
