@@ -178,7 +178,8 @@ class ModuleHook:
         self._fn = fn
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if module is not self._module():
+        # DataParallel's replicas share the original's hook dicts: they are the training model.
+        if module is not self._module() and not getattr(module, "_is_replica", False):
             return None
         return self._fn(module, *args, **kwargs)
 

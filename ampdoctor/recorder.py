@@ -248,6 +248,7 @@ class Recorder:
         self._layouts = SlotLayouts()
         self._reported = False  # a failure has been warned about (or raised)
         self.dropped_steps = 0  # step records the writer could not take (its queue was full)
+        self._closing = False   # close() has begun
         self._sniff_handle = None
         self._amp_dtype = dtype_name(options.amp_dtype) if options.amp_dtype is not None else None
         # Module taps, the flight recorder and escalation.
@@ -273,7 +274,7 @@ class Recorder:
         # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
         # over skipped steps to the step that wrote it: check after every step.
         self._params_every_step = options.check_params == "always" or not scaler.is_enabled()
-        self._scaler_meta = {
+        self._scaler_meta = {  # a disabled torch scaler has no growth settings: those keys are left out
             "scaler.class": scaler_class,
             "scaler.enabled": str(scaler.is_enabled()).lower(),
             "scaler.init_scale": str(_current_scale(scaler)),
@@ -282,6 +283,7 @@ class Recorder:
             "scaler.growth_interval": str(getattr(scaler, "_growth_interval", "")),
             "device": self.device_type,
         }
+        self._scaler_meta = {k: v for k, v in self._scaler_meta.items() if v != ""}
         if model is not None:
             inner = unwrap_compiled(model)
             self._names = {id(p): clean_name(n) for n, p in inner.named_parameters()}
@@ -334,6 +336,7 @@ class Recorder:
         only, after training. ``at_exit``: the interpreter is exiting; the final parameter check
         runs only if this is still its scaler's recorder (an abandoned scaler's run must not
         describe parameters that another scaler went on training)."""
+        self._closing = True  # the close writes everything: anomalies found now need no sync of their own
         if self.active:
             try:
                 deadline = None if timeout is None else time.monotonic() + timeout
@@ -737,7 +740,7 @@ class Recorder:
         # record is queued already; its materialization closes a segment at once). A run of
         # skipped steps waits only at its first: a collapsing run must not also crawl; a non-finite
         # loss or parameter, which training may not survive, always waits.
-        if fatal or step != self._last_anomaly + 1:
+        if (fatal or step != self._last_anomaly + 1) and not self._closing:
             self.writer.sync()
         self._last_anomaly = step
         if self.options.escalate_steps:
@@ -961,15 +964,25 @@ def _env_run_id() -> str | None:
 
 
 def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None) -> str | None:
-    env = _env_run_id()
-    if env is not None:
-        return env
+    # Resuming: the latest run at the path, unless the user named the run (torchrun makes a new
+    # rendezvous id at every launch, so its id cannot say which run is resumed).
+    explicit = os.environ.get("AMPDOCTOR_RUN_ID") or None
+    if explicit is not None:
+        return explicit
+    if resume_at is None and _env_run_id() is not None:
+        return _env_run_id()
     dist = torch.distributed
     if world_size > 1 and dist.is_available() and dist.is_initialized():
-        box = [(_latest_run_id(resume_at) or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
+        box = [(_latest_run_id(resume_at) or _env_run_id() or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    return _latest_run_id(resume_at)
+    shared = _latest_run_id(resume_at) or _env_run_id()
+    if shared is None and world_size > 1:
+        warnings.warn(f"ampdoctor: {world_size} ranks but torch.distributed is not initialized and no "
+                      f"AMPDOCTOR_RUN_ID is set: the ranks cannot agree on one run id, so each will be read as a "
+                      f"run of its own; create the scaler after init_process_group, or set AMPDOCTOR_RUN_ID",
+                      RuntimeWarning, stacklevel=4)
+    return shared
 
 
 def _latest_run_id(path: str | os.PathLike | None) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -35,6 +36,7 @@ class Segment:
     size: int
     metadata: dict[str, str]
     steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
+    until: int | None = None  # rows from this step on were superseded by a later process (read_run)
 
 
 @dataclass
@@ -121,9 +123,13 @@ class Run:
             try:
                 source = pq.ParquetFile(segment.path)
                 present = [c for c in columns if c in source.schema_arrow.names]
+                if segment.until is not None and "step" not in present:
+                    present.append("step")
                 for batch in source.iter_batches(batch_size=batch_rows, columns=present):
                     if kinds is not None:
                         batch = batch.filter(kind_mask(batch.column("kind"), kinds))
+                    if segment.until is not None:
+                        batch = batch.filter(pc.less(batch.column("step"), segment.until))
                     if batch.num_rows:
                         yield _with_columns(batch, columns)
             except (pa.ArrowException, OSError) as exc:
@@ -155,6 +161,8 @@ class Run:
             filters.append(("kind", "in", list(kinds)))
         if steps is not None:
             filters.append(("step", "in", [int(s) for s in steps]))
+        if segment.until is not None:
+            filters.append(("step", "<", int(segment.until)))
         try:
             present = None if columns is None else [
                 c for c in columns if c in pq.read_schema(segment.path).names]
@@ -233,7 +241,7 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     problems.extend(f"{message} (in {n} segment(s))" for message, n in ignored_counts.items())
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
     segments, choice = _one_run(root, segments, run_id)
-    run = Run(root, segments, choice + problems + _restarts(segments))
+    run = Run(root, segments, choice + problems + _supersede(segments))
     if run.rows == 0:
         raise RunError(f"{root}: empty run, no steps were recorded")
     if run.dropped_steps:
@@ -248,12 +256,14 @@ def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[l
     for seg in segments:
         groups.setdefault(seg.metadata.get("run.id", ""), []).append(seg)
 
-    def latest(rid: str) -> tuple[str, float]:
-        return (max(s.metadata.get("run.started", "") for s in groups[rid]),
-                max(s.path.stat().st_mtime for s in groups[rid]))
+    def latest(rid: str) -> tuple[float, float]:
+        return max(_started(s) for s in groups[rid]), max(s.path.stat().st_mtime for s in groups[rid])
+
+    def started(rid: str) -> str:
+        return max((s.metadata.get("run.started", "") for s in groups[rid]), key=lambda t: t or "") or "?"
 
     order = sorted(groups, key=latest)
-    listing = ", ".join(f"{rid or '(no id)'} (started {latest(rid)[0] or '?'})" for rid in order)
+    listing = ", ".join(f"{rid or '(no id)'} (started {started(rid)})" for rid in order)
     if run_id is not None:
         matches = [rid for rid in groups if rid == run_id] or [rid for rid in groups if rid.startswith(run_id)]
         if len(matches) != 1:
@@ -267,25 +277,45 @@ def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[l
                             f"another with --run ID (runs here: {listing})"]
 
 
-def _restarts(segments: list[Segment]) -> list[str]:
-    """A warning when two processes of one run recorded the same steps on the same rank (a restart
-    at step 0 without ``start_step`` or a loaded ``state_dict``)."""
-    spans: dict[tuple[str, str], list[int]] = {}
+def _started(seg: Segment) -> float:
+    """When the process that wrote ``seg`` started (seconds since the epoch; the file's time when
+    the metadata does not say), comparable across time zones."""
+    try:
+        return datetime.strptime(seg.metadata.get("run.started", ""), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except ValueError:
+        return seg.path.stat().st_mtime
+
+
+def _supersede(segments: list[Segment]) -> list[str]:
+    """Two processes of one run that recorded the same steps on one rank: a run resumed from a
+    checkpoint older than where it stopped, or restarted. The later process's rows stand from
+    its first step on; the earlier one's rows from there are dropped (``Segment.until``). Returns
+    a warning for each rank where that happened."""
+    writers: dict[tuple[str, str], list[Segment]] = {}
     for seg in segments:
-        if seg.steps is not None:
-            key = (seg.metadata.get(META_RANK, "0"), seg.metadata.get(META_WRITER, ""))
-            lo, hi = spans.get(key, [seg.steps[0], seg.steps[1]])
-            spans[key] = [min(lo, seg.steps[0]), max(hi, seg.steps[1])]
-    by_rank: dict[str, list[list[int]]] = {}
-    for (rank, _), span in spans.items():
-        by_rank.setdefault(rank, []).append(span)
-    for rank, ranges in sorted(by_rank.items()):
-        ranges.sort()
-        for (lo1, hi1), (lo2, hi2) in zip(ranges, ranges[1:]):
-            if lo2 <= hi1:
-                return [f"steps {lo2}..{min(hi1, hi2)} of rank {rank} were recorded by two processes of this run (a "
-                        f"restart without start_step or the scaler's state_dict?): the reports mix them"]
-    return []
+        key = (seg.metadata.get(META_RANK, "0"), seg.metadata.get(META_WRITER, ""))
+        writers.setdefault(key, []).append(seg)
+    spans = {}
+    for key, segs in writers.items():
+        known = [s.steps for s in segs if s.steps is not None]
+        if known:
+            first = (min(_started(s) for s in segs), min(s.path.stat().st_mtime for s in segs))
+            spans[key] = (min(lo for lo, _ in known), max(hi for _, hi in known), first)
+    warnings = []
+    for rank in sorted({rank for rank, _ in spans}):
+        order = sorted((k for k in spans if k[0] == rank), key=lambda k: (spans[k][2], k[1]))
+        dropped = []
+        for i, key in enumerate(order):
+            later = [spans[k][0] for k in order[i + 1:]]
+            cutoff = min(later) if later else None
+            if cutoff is not None and cutoff <= spans[key][1]:
+                for seg in writers[key]:
+                    seg.until = cutoff
+                dropped.append(f"{cutoff}..{spans[key][1]}")
+        if dropped:
+            warnings.append(f"rank {rank}: steps {', '.join(dropped)} were recorded again by a later process of this "
+                            f"run (resumed from an earlier checkpoint, or restarted): the later ones are read")
+    return warnings
 
 
 def load(path: str | os.PathLike, run_id: str | None = None) -> pd.DataFrame:
@@ -337,9 +367,12 @@ def _with_columns(data, columns: Sequence[str]):
 def _as_type(column, expected: pa.DataType):
     """A plain string column where the schema has a dictionary one (a segment written by another
     writer): dictionary-encode it, so that segments concatenate."""
-    if pa.types.is_dictionary(expected) and not pa.types.is_dictionary(column.type):
-        return pc.dictionary_encode(column)
-    return column
+    if column.type == expected:
+        return column
+    if pa.types.is_dictionary(expected):
+        plain = column.cast(pa.string()) if not pa.types.is_dictionary(column.type) else column
+        return pc.dictionary_encode(plain) if not pa.types.is_dictionary(plain.type) else plain.cast(expected)
+    return column.cast(expected)  # a large string or list variant (checked by _same_kind)
 
 
 def _empty_table(columns: Sequence[str] | None) -> pa.Table:
@@ -417,15 +450,26 @@ def _schema_problem(schema: pa.Schema) -> str | None:
         expected = _TYPES.get(field.name)
         if expected is None:
             continue
-        ok = field.type == expected or (
-            pa.types.is_dictionary(expected) and (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
-                                                  or (pa.types.is_dictionary(field.type)
-                                                      and pa.types.is_string(field.type.value_type))))
+        ok = _same_kind(field.type, expected)
         if field.name == "hist":
             ok = pa.types.is_fixed_size_list(field.type) and field.type.value_type == pa.int32()
         if not ok:
             return f"column {field.name} is {field.type}, not {expected}"
     return None
+
+
+def _same_kind(got: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether a column of type ``got`` reads as ``expected``: the same type, or its string, large
+    or dictionary variant (another tool's rewrite), which :func:`_as_type` converts."""
+    def plain(t: pa.DataType) -> pa.DataType:
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        if pa.types.is_large_string(t):
+            return pa.string()
+        if pa.types.is_large_list(t):
+            return pa.list_(plain(t.value_type))
+        return t
+    return plain(got) == plain(expected)
 
 
 # Metadata values the readers parse: a value that is not valid is ignored (the default applies), with a warning.
@@ -448,9 +492,9 @@ _METADATA_CHECKS: dict[str, tuple[type, Callable[[float], bool], str]] = {
 def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tuple[dict[str, str], list[str]]:
     """``meta`` without the values the readers could not use, and a message for each; ``hist.bins``
     is the ``hist`` column's own size (``hist_bins``) when the segment has one."""
-    out, ignored = dict(meta), []
+    out, ignored = {k: v for k, v in meta.items() if v != ""}, []  # empty: not set (older writers)
     for key, (kind, valid, what) in _METADATA_CHECKS.items():
-        if key not in meta:
+        if key not in out:
             continue
         try:
             value = kind(float(meta[key])) if kind is int else float(meta[key])
@@ -461,7 +505,7 @@ def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tup
             ignored.append(f"ignored metadata {key}={meta[key]!r} (not {what})")
             del out[key]
     for key, allowed in (("amp.dtype", tuple(FORMATS)), ("record.level", ("steps", "params", "full"))):
-        if key in meta and meta[key] not in allowed:
+        if key in out and meta[key] not in allowed:
             ignored.append(f"ignored metadata {key}={meta[key]!r} (not one of {', '.join(allowed)})")
             del out[key]
     if hist_bins is not None and out.get("hist.bins", str(hist_bins)) != str(hist_bins):

@@ -30,6 +30,13 @@ class _Recording:
 
     _ampdoctor_plain_class: type  # what pickling and unwrap() turn the instance back into
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A user's subclass of ampdoctor.GradScaler is its own plain class (a copy keeps its
+        # methods); the recording classes wrap() makes name theirs in their class dict.
+        super().__init_subclass__(**kwargs)
+        if "_ampdoctor_plain_class" not in cls.__dict__:
+            cls._ampdoctor_plain_class = cls
+
     @property
     def recorder(self) -> Recorder | None:
         """The active :class:`Recorder`, or None when this scaler is not recording."""

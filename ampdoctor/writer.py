@@ -46,7 +46,8 @@ from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schem
 _CLOSE = object()   # shutdown sentinel
 SYNC_TIMEOUT = 30.0   # seconds an anomaly's sync may wait for the writer (once per stall)
 CLOSE_TIMEOUT = 30.0  # seconds close() may wait for the writer
-POLL_SECONDS = 0.5    # how often an idle worker looks for a close requested without the queue
+POLL_SECONDS = 0.1    # how often an idle worker looks for a close or flush requested without the queue
+FLUSH_TIMEOUT = 5.0   # seconds a signal handler that lets the program go on waits for the flush
 
 
 class _Sync:
@@ -150,6 +151,7 @@ class RunWriter:
         self._finished = False     # the worker returned normally
         self._sync: threading.Event | None = None  # the last sync's, while pending
         self._flush_request: threading.Event | None = None  # set by the worker once flushed (signal path)
+        self._pid = os.getpid()    # a forked child inherits this object, not its thread
         self._close_lock = threading.Lock()
         self.rows_written = 0
         self.bytes_written = 0
@@ -212,31 +214,40 @@ class RunWriter:
         (:data:`CLOSE_TIMEOUT`) seconds; False if the worker did not finish in time (a stalled
         disk: what it still held is lost)."""
         with self._close_lock:
-            if self._closed:
-                return not self._thread.is_alive()
-            self._closed = True
-        self._closing = True
-        try:
-            self._queue.put_nowait(_CLOSE)  # wakes the worker; when full it sees _closing once drained
-        except queue.Full:
-            pass
+            first, self._closed = not self._closed, True
+        if first:
+            self._closing = True
+            try:
+                self._queue.put_nowait(_CLOSE)  # wakes the worker; when full it sees _closing once drained
+            except queue.Full:
+                pass
         self._thread.join(CLOSE_TIMEOUT if timeout is None else timeout)
-        with _open_lock:
-            _open_writers.discard(self)
-        return not self._thread.is_alive()
+        finished = not self._thread.is_alive()
+        if finished:  # one still writing stays registered: the exit handler gives it its time
+            with _open_lock:
+                _open_writers.discard(self)
+        return finished
+
+    def _answers(self) -> bool:
+        """Whether a worker thread of this process can answer a signal handler's request."""
+        return os.getpid() == self._pid and self._thread.is_alive()
 
     def close_from_signal(self, timeout: float) -> None:
         """``close`` for a signal handler: no lock, no queue operation (the interrupted frame may
         hold the queue's lock); the worker drains the queue and writes the last segment."""
         self._closing = True
-        self._thread.join(timeout)
+        if self._answers():
+            self._thread.join(timeout)
 
     def flush_from_signal(self, timeout: float) -> None:
         """Write what is queued to a segment and keep recording (a signal the program handles
-        itself and may survive). No lock, no queue operation, as ``close_from_signal``."""
+        itself and may survive), waiting at most :data:`FLUSH_TIMEOUT` seconds. No lock, no queue
+        operation, as ``close_from_signal``."""
+        if not self._answers():
+            return
         done = threading.Event()
         self._flush_request = done
-        done.wait(timeout)
+        done.wait(min(timeout, FLUSH_TIMEOUT))
 
     # -- worker side ----------------------------------------------------------------------
     def _work(self) -> None:
@@ -249,10 +260,7 @@ class RunWriter:
                 if self._closing:  # close requested without the sentinel: the queue is drained
                     item = _CLOSE
                 elif request is not None:  # a flush requested from a signal handler: drained now
-                    self._flush_request = None
-                    if self._pending.rows:
-                        self._guarded(lambda: self._write_segment(final=False))
-                    request.set()
+                    self._serve_flush_request()
                     continue
                 else:
                     due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
@@ -261,6 +269,7 @@ class RunWriter:
                 self._guarded(lambda: self._write_segment(final=True))
                 self._finished = True
                 return
+            self._serve_flush_request()
             if isinstance(item, _Sync):
                 if self._pending.rows:
                     self._guarded(lambda: self._write_segment(final=False))
@@ -272,6 +281,17 @@ class RunWriter:
                 self._guarded(lambda: self._write_segment(final=False))
                 continue
             self._guarded(lambda: self._add(item))
+
+    def _serve_flush_request(self) -> None:
+        """A signal handler asked for what is held to be written (checked between records too, so
+        a busy queue does not hold it up)."""
+        request = self._flush_request
+        if request is None:
+            return
+        self._flush_request = None
+        if self._pending.rows:
+            self._guarded(lambda: self._write_segment(final=False))
+        request.set()
 
     def _guarded(self, action: Callable[[], None]) -> None:
         if self._error is not None:

@@ -199,11 +199,51 @@ def test_a_resumed_run_continues_the_same_run(run_path):
     assert sorted(run.frame.loc[run.frame.kind == "step", "step"]) == list(range(8))
 
 
-def test_a_restart_from_step_0_in_the_same_run_is_warned_about(run_path, monkeypatch):
-    """Two processes with the same run id (AMPDOCTOR_RUN_ID) both recording from step 0: the
-    reader says the steps were recorded twice."""
+def test_a_restart_from_step_0_in_the_same_run_supersedes_the_first(run_path, monkeypatch):
+    """Two processes with the same run id (AMPDOCTOR_RUN_ID) both recording from step 0: the later
+    one's steps are read, never both, and the reader says so."""
     monkeypatch.setenv("AMPDOCTOR_RUN_ID", "shared")
     record(run_path, steps=4)
-    record(run_path, steps=4)
+    record(run_path, steps=3)
     run = read_run(run_path)
-    assert any("steps 0..3 of rank 0 were recorded by two processes" in w for w in run.warnings), run.warnings
+    assert any("rank 0: steps 0..3 were recorded again by a later process" in w for w in run.warnings), run.warnings
+    steps = run.frame.loc[run.frame.kind == "step", "step"]
+    assert sorted(steps) == [0, 1, 2]
+
+
+def test_resuming_from_an_older_checkpoint_reads_each_step_once(run_path):
+    """Checkpoint at step 5, crash at step 9, resume from the checkpoint: steps 5..9 of the crashed
+    process were rolled back; the resumed process's are the ones read (10 step rows for 10 steps)."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=run_path, flush_every=1)
+    _train_scaler(scaler, model, 5)
+    checkpoint = scaler.state_dict()
+    _train_scaler(scaler, model, 5, seed=3)  # steps 5..9, then the process dies
+    scaler.recorder.writer.close()  # what reached the disk before the crash
+    resumed = ampdoctor.GradScaler("cpu", model=model, path=run_path)
+    resumed.load_state_dict(checkpoint)
+    _train_scaler(resumed, model, 5, seed=2)
+    resumed.close()
+    run = read_run(run_path)
+    frame = run.frame
+    assert sorted(frame.loc[frame.kind == "step", "step"]) == list(range(10))
+    assert any("rank 0: steps 5..9 were recorded again by a later process" in w for w in run.warnings)
+    from ampdoctor.reports.summary import build_report
+    assert build_report(run)["run"]["steps"] == 10
+
+
+def test_ranks_that_cannot_share_a_run_id_are_warned_about(run_path, monkeypatch):
+    """WORLD_SIZE=2 but no process group yet and no AMPDOCTOR_RUN_ID: each rank would make its own
+    run id; the scaler says so at construction."""
+    import warnings as _warnings
+
+    for key in ("AMPDOCTOR_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        scaler = ampdoctor.GradScaler("cpu", path=run_path)
+    scaler.close()
+    assert any("cannot agree on one run id" in str(w.message) for w in caught)

@@ -517,3 +517,35 @@ def test_module_statistics_are_sampled_less_often_by_default(tmp_path):
     assert detailed(frame, ["param_grad"]) == [0, 5, 10] and detailed(frame, taps) == [0, 4, 8]
     with pytest.raises(ValueError, match="module_every"):
         ampdoctor.GradScaler("cpu", path="x", module_every=0)
+
+
+class MyScaler(ampdoctor.GradScaler):
+    """A user's subclass (module level: pickle finds classes by name)."""
+
+    def label(self):
+        return "mine"
+
+
+def test_a_subclass_of_ampdoctor_gradscaler_keeps_its_class_in_copies(run_path):
+    scaler = MyScaler("cpu", init_scale=4.0, path=run_path)
+    for clone in (copy.deepcopy(scaler), pickle.loads(pickle.dumps(scaler))):
+        assert type(clone) is MyScaler and clone.label() == "mine" and clone.recorder is None
+    ampdoctor.unwrap(scaler)
+    assert type(scaler) is MyScaler
+
+
+def test_a_disabled_scaler_writes_no_metadata_the_reader_must_ignore(run_path):
+    """torch's disabled GradScaler has no growth settings: nothing empty is written, and the
+    reader has nothing to warn about."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", enabled=False, model=model, path=run_path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(3):
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    scaler.close()
+    run = read_run(run_path)
+    assert run.warnings == [] and "scaler.growth_factor" not in run.metadata
