@@ -366,13 +366,7 @@ def test_copies_of_a_tapped_model_work_and_never_record(run_path):
     assert outputs.nunique() == 1 and outputs.iloc[0] == outputs.loc[0]  # the copies added no rows
     torch.manual_seed(0)
     reference = MLP()
-    plain = torch.amp.GradScaler("cpu")
-    opt = torch.optim.SGD(reference.parameters(), lr=0.01)
-    for x, y in batches(4):
-        plain.scale(mse(reference, x, y)).backward()
-        plain.step(opt)
-        plain.update()
-        opt.zero_grad()
+    _fit(torch.amp.GradScaler("cpu"), reference, 4, lr=0.01)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
@@ -519,6 +513,16 @@ def test_module_statistics_are_sampled_less_often_by_default(tmp_path):
         ampdoctor.GradScaler("cpu", path="x", module_every=0)
 
 
+def _fit(scaler, model, steps: int, lr: float) -> None:
+    """``steps`` plain SGD iterations of ``model`` through ``scaler`` on the shared batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches(steps):
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 class MyScaler(ampdoctor.GradScaler):
     """A user's subclass (module level: pickle finds classes by name)."""
 
@@ -540,12 +544,7 @@ def test_a_disabled_scaler_writes_no_metadata_the_reader_must_ignore(run_path):
     torch.manual_seed(0)
     model = MLP()
     scaler = ampdoctor.GradScaler("cpu", enabled=False, model=model, path=run_path)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches(3):
-        scaler.scale(mse(model, x, y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    _fit(scaler, model, 3, lr=0.1)
     scaler.close()
     run = read_run(run_path)
     assert run.warnings == [] and "scaler.growth_factor" not in run.metadata
