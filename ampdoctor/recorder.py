@@ -274,16 +274,12 @@ class Recorder:
         # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
         # over skipped steps to the step that wrote it: check after every step.
         self._params_every_step = options.check_params == "always" or not scaler.is_enabled()
-        self._scaler_meta = {  # a disabled torch scaler has no growth settings: those keys are left out
-            "scaler.class": scaler_class,
-            "scaler.enabled": str(scaler.is_enabled()).lower(),
-            "scaler.init_scale": str(_current_scale(scaler)),
-            "scaler.growth_factor": str(getattr(scaler, "_growth_factor", "")),
-            "scaler.backoff_factor": str(getattr(scaler, "_backoff_factor", "")),
-            "scaler.growth_interval": str(getattr(scaler, "_growth_interval", "")),
-            "device": self.device_type,
-        }
-        self._scaler_meta = {k: v for k, v in self._scaler_meta.items() if v != ""}
+        meta = {"scaler.class": scaler_class, "scaler.enabled": str(scaler.is_enabled()).lower(),
+                "scaler.init_scale": str(_current_scale(scaler)), "device": self.device_type}
+        for name in ("growth_factor", "backoff_factor", "growth_interval"):  # a disabled torch scaler has none
+            if hasattr(scaler, f"_{name}"):
+                meta[f"scaler.{name}"] = str(getattr(scaler, f"_{name}"))
+        self._scaler_meta = meta
         if model is not None:
             inner = unwrap_compiled(model)
             self._names = {id(p): clean_name(n) for n, p in inner.named_parameters()}
@@ -967,16 +963,15 @@ def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None) 
     # Resuming: the latest run at the path, unless the user named the run (torchrun makes a new
     # rendezvous id at every launch, so its id cannot say which run is resumed).
     explicit = os.environ.get("AMPDOCTOR_RUN_ID") or None
-    if explicit is not None:
-        return explicit
-    if resume_at is None and _env_run_id() is not None:
-        return _env_run_id()
+    env = _env_run_id()
+    if explicit is not None or (resume_at is None and env is not None):
+        return explicit or env
     dist = torch.distributed
     if world_size > 1 and dist.is_available() and dist.is_initialized():
-        box = [(_latest_run_id(resume_at) or _env_run_id() or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
+        box = [(_latest_run_id(resume_at) or env or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    shared = _latest_run_id(resume_at) or _env_run_id()
+    shared = _latest_run_id(resume_at) or env
     if shared is None and world_size > 1:
         warnings.warn(f"ampdoctor: {world_size} ranks but torch.distributed is not initialized and no "
                       f"AMPDOCTOR_RUN_ID is set: the ranks cannot agree on one run id, so each will be read as a "

@@ -137,23 +137,12 @@ class Run:
         self._check_readable()
 
     def step_range(self) -> tuple[int, int] | None:
-        """The first and last step, from the footers' column statistics (no data read)."""
-        lo, hi = None, None
-        for segment in self.segments:
-            try:
-                meta = pq.read_metadata(segment.path)
-                index = meta.schema.to_arrow_schema().get_field_index("step")
-                for g in range(meta.num_row_groups):
-                    if meta.row_group(g).num_rows == 0:
-                        continue  # the empty final segment close() writes after an anomaly flush
-                    stats = meta.row_group(g).column(index).statistics
-                    if stats is None or not stats.has_min_max:
-                        return None
-                    lo = stats.min if lo is None else min(lo, stats.min)
-                    hi = stats.max if hi is None else max(hi, stats.max)
-            except (pa.ArrowException, OSError):
-                continue
-        return None if lo is None else (int(lo), int(hi))
+        """The first and last step, from the footers' column statistics (no data read); None when
+        a segment with rows has none."""
+        spans = [s.steps for s in self.segments if s.rows]
+        if not spans or any(span is None for span in spans):
+            return None
+        return min(lo for lo, _ in spans), max(hi for _, hi in spans)
 
     def _read(self, segment: Segment, columns, kinds, steps) -> pa.Table | None:
         filters = []

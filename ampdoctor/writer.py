@@ -175,7 +175,7 @@ class RunWriter:
 
     @property
     def closed(self) -> bool:
-        return self._closed or self._closing
+        return self._closing  # set by close() and by the signal path
 
     def _check_alive(self) -> None:
         if self._error is None and not self._finished and not self._thread.is_alive():
@@ -255,16 +255,9 @@ class RunWriter:
             timeout = max(0.05, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush)))
             try:
                 item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                request = self._flush_request
-                if self._closing:  # close requested without the sentinel: the queue is drained
-                    item = _CLOSE
-                elif request is not None:  # a flush requested from a signal handler: drained now
-                    self._serve_flush_request()
-                    continue
-                else:
-                    due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
-                    item = _FLUSH if due else None
+            except queue.Empty:  # drained: a close requested without the sentinel, or the timer
+                due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
+                item = _CLOSE if self._closing else (_FLUSH if due else None)
             if item is _CLOSE:
                 self._guarded(lambda: self._write_segment(final=True))
                 self._finished = True

@@ -92,13 +92,6 @@ def density_near_zero(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> n
     return np.divide(counts, width, out=np.zeros(n), where=width > 0)
 
 
-def lost_at_cutoff(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray, cut_log2: np.ndarray,
-                   min_exp: int, n_zero_lines: np.ndarray | None = None) -> np.ndarray:
-    """Estimated elements that became 0 at the recorded cut-off (see the module docstring); NaN
-    where unknown. ``n_zero_lines``: NaN or None where not recorded (taken as 0)."""
-    return underflow_bounds(hist, n_zero, n_subnormal, cut_log2, min_exp, n_zero_lines)[0]
-
-
 def underflow_bounds(hist: np.ndarray, n_zero: np.ndarray, n_subnormal: np.ndarray, cut_log2: np.ndarray,
                      min_exp: int, n_zero_lines: np.ndarray | None = None,
                      pile_lines: np.ndarray | bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +176,7 @@ class UnderflowModel:
     elements between x₀ and 2^x above it."""
 
     def __init__(self, hist: np.ndarray, cut_log2: np.ndarray, at_cut: np.ndarray, min_exp: int) -> None:
-        """``at_cut``: the elements lost at the recorded cut-off (:func:`lost_at_cutoff`)."""
+        """``at_cut``: the elements lost at the recorded cut-off (the estimate of :func:`underflow_bounds`)."""
         hist = np.asarray(hist, dtype=np.float64)
         self.min_exp = min_exp
         self.cut_log2 = np.asarray(cut_log2, dtype=np.float64)
