@@ -2,9 +2,10 @@
 
 The scaler calls, per iteration, ``observe_loss`` (from ``scale``), ``observe_grads`` (from
 ``unscale_``/``step``, before torch unscales, so the values are the scaled ones backward produced),
-``before_update`` and ``after_update``. None of them syncs: statistics stay on the device,
-``after_update`` starts non-blocking copies into pinned memory, records an event and queues the
-record; the writer thread waits on the event. Every method is guarded: an exception of ours warns
+``observe_params`` (after ``step``), ``before_update`` and ``after_update``. None of them syncs:
+statistics stay on the device, ``after_update`` starts non-blocking copies into pinned memory,
+seals them with a fence (:mod:`ampdoctor.transfer`: an event per source device) and queues the
+record; the writer thread waits on the fence. Every method is guarded: an exception of ours warns
 once and stops recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
 
 Module taps (``level="full"``, or an escalation) call ``observe_tap`` from forward and gradient
@@ -13,9 +14,11 @@ hooks (:mod:`ampdoctor.hooks`). On module-sampled steps (every ``module_every`` 
 reduction, its min and max (hence its peak magnitude), which is enough to see every non-finite value. The peaks of the last
 ``flight_steps`` steps stay on the device (the flight recorder) and are written out only when an
 anomaly is seen: a skipped step, a non-finite loss, or the scale falling below ``scale_floor``.
-Anomalies are read from the pinned copy of each step's scalars once its event has completed
-(``event.query()``, never a wait), so on CUDA they are seen one step later: ``step()`` syncs every
-iteration, so by then the copy has landed.
+A skipped step is known on the host in the step itself when torch's ``step()`` read found_inf and
+did not run the optimizer (a step pre-hook tells whether it ran). Other anomalies (a non-finite
+loss or parameter, the scale floor, skips of fused optimizers, which decide on the device) are read
+from the pinned copy of each step's scalars once its fence has passed (``query()``, never a wait):
+on CUDA usually one step later.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleFilter, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_compiled
 from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
 from .stats import (DeviceStats, HostStats, LightStats, SlotLayouts, extremes, light_stats, peak_magnitudes,
-                    peaks, tensor_stats, to_host)
+                    peaks, tensor_stats)
+from .transfer import Fence, HostCopies
 from .writer import RunWriter, close_all_writers
 
 LEVELS = ("steps", "params", "full")
@@ -155,7 +159,7 @@ class StepRecord:
     groups: list[GroupRecord] = field(default_factory=list)
     taps: list[TapObservation] = field(default_factory=list)  # detailed steps only
     params: "ParamPeaks | None" = None  # parameter peaks after optimizer.step()
-    event: Any = None                 # torch.cuda.Event to wait on before reading
+    event: Fence | None = None        # to wait on before reading (None: nothing to wait for)
 
 
 @dataclass
@@ -177,7 +181,7 @@ class ParamRecord:
     amp_dtype: str
     scalars: torch.Tensor             # host scalars of ``step`` (see StepRecord)
     params: ParamPeaks
-    event: Any = None
+    event: Fence | None = None
 
 
 @dataclass
@@ -189,7 +193,7 @@ class LightStep:
     taps: list[TapObservation]
     peaks: torch.Tensor               # float32 [len(taps)], on the device until dumped
     scalars: torch.Tensor | None      # the step's host scalars (see StepRecord)
-    event: Any = None                 # the step's copy event (its scalars)
+    event: Fence | None = None        # the step's copy fence (its scalars)
 
 
 @dataclass
@@ -198,7 +202,7 @@ class FlightRecord:
 
     rank: int
     steps: list[LightStep]
-    event: Any = None
+    event: Fence | None = None
 
 
 def _guarded(method):
@@ -246,6 +250,7 @@ class Recorder:
         self._scaler_ref = weakref.ref(scaler)  # at exit: is this still the scaler's recorder?
         self._param_group_cache: dict[tuple, tuple[list, list]] = {}
         self._layouts = SlotLayouts()
+        self._copies = HostCopies()
         self._reported = False  # a failure has been warned about (or raised)
         self.dropped_steps = 0  # step records the writer could not take (its queue was full)
         self._closing = False   # close() has begun
@@ -267,7 +272,14 @@ class Recorder:
         self._pending_checks: collections.deque = collections.deque()  # (step, host scalars, event)
         self._escalate_until = start_step       # steps below this are detailed (after an anomaly)
         self._below_floor = False
-        self._last_anomaly = -2                 # the last anomalous step (a run of them syncs once)
+        self._last_anomaly = -2                 # the last anomalous step checked (a run of them syncs once)
+        self._handled_anomaly = start_step - 1  # the last anomalous step whose window was written
+        # Whether torch's step() ran each optimizer this iteration (a step pre-hook): torch reads
+        # found_inf on the host for it anyway, so a skip is known before the scalars' copy lands.
+        self._step_hooks: dict[int, Any] = {}
+        self._optimizers_ran: set[int] = set()
+        self._skipped_on_host = False
+        self._scaler_enabled = scaler.is_enabled()
         self.rank, self.world_size = _rank_and_world(options.rank)
         self.run_id = run_id or _env_run_id() or uuid.uuid4().hex
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -359,6 +371,7 @@ class Recorder:
         recorder and pending anomaly checks of the abandoned steps are dropped."""
         self.step = step
         self._escalate_until = min(self._escalate_until, step)
+        self._handled_anomaly = min(self._handled_anomaly, step - 1)
         self._flight.clear()
         self._pending_checks.clear()
         self._last_param_check, self._last_scalars, self._stepped = step - 1, None, False
@@ -371,6 +384,9 @@ class Recorder:
 
     def _remove_hooks(self) -> None:
         self._remove_sniff()
+        for handle in self._step_hooks.values():
+            handle.remove()
+        self._step_hooks.clear()
         if self._taps is not None:
             self._taps.remove()
 
@@ -445,17 +461,13 @@ class Recorder:
         if id(optimizer) in self._observed:
             return
         self._observed.add(id(optimizer))
+        if id(optimizer) not in self._step_hooks:
+            self._step_hooks[id(optimizer)] = optimizer.register_step_pre_hook(ModuleHook(optimizer, self._optimizer_ran))
         detailed = self._detailed_step()
         per_tensor = self._per_tensor_step()
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
-        groups: dict[tuple, tuple[list, list]] = {}
-        for name, grad in self._named_grads(optimizer):
-            key = (grad.device, grad.dtype)
-            names, tensors = groups.setdefault(key, ([], []))
-            names.append(name)
-            tensors.append(grad)
-        for (device, dtype), (names, tensors) in groups.items():
+        for (device, dtype), (names, numels, tensors) in self._gradient_groups(optimizer).items():
             inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
             if detailed:
                 stats = tensor_stats(tensors, inv_scale=inv, subnormal_below=below, per_tensor=per_tensor,
@@ -463,8 +475,56 @@ class Recorder:
                                      hist_bins=self.options.hist_bins, layouts=self._layouts)
             else:
                 stats = light_stats(tensors, inv_scale=inv)
-            numels = np.array([t.numel() for t in tensors], dtype=np.int64)
             self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats))
+
+    def _gradient_groups(self, optimizer: torch.optim.Optimizer) -> dict[tuple, tuple[list, np.ndarray, list]]:
+        """This step's observable gradients of ``optimizer`` per (device, dtype): names, numels,
+        tensors. Dense gradients have their parameter's device, dtype and size (torch enforces
+        it), so their grouping is planned once per set of parameters and each step only reads
+        ``p.grad``: host work per tensor is a few attribute reads, not a Python loop of lookups."""
+        dense, others = self._gradient_plan(optimizer)
+        groups: dict[tuple, tuple[list, np.ndarray, list]] = {}
+        for key, (names, numels, params) in dense.items():
+            grads = [p.grad for p in params]
+            usable = [g is not None and not g.is_sparse for g in grads]
+            if all(usable):
+                groups[key] = (names, numels, grads)
+                continue
+            others = others + [(n, p) for n, p, ok in zip(names, params, usable) if not ok]
+            kept = [i for i, ok in enumerate(usable) if ok]
+            if kept:
+                groups[key] = ([names[i] for i in kept], numels[kept], [grads[i] for i in kept])
+        for name, grad in self._named_grads(others):
+            key = (grad.device, grad.dtype)
+            names, numels, tensors = groups.get(key, ([], np.zeros(0, np.int64), []))
+            groups[key] = (names + [name], np.append(numels, grad.numel()), tensors + [grad])
+        return groups
+
+    def _gradient_plan(self, optimizer: torch.optim.Optimizer):
+        """``(dense, others)``: the plain parameters grouped by (device, dtype) as ``(names,
+        numels, params)``, and the ``(name, parameter)`` of the rest (DTensor shards, sparse
+        parameters, empty ones), built once per set of parameters."""
+        named = self._named_parameters(optimizer)
+        key = ("plan", id(optimizer), len(named))
+        cached = self._param_group_cache.get(key)
+        if cached is not None and cached[0] is named:
+            return cached[1]
+        dense: dict[tuple, tuple[list, list, list]] = {}
+        others = []
+        for name, p in named:
+            if type(p) in (torch.Tensor, torch.nn.Parameter) and not p.is_sparse and p.numel():
+                names, numels, params = dense.setdefault((p.device, p.dtype), ([], [], []))
+                names.append(name)
+                numels.append(p.numel())
+                params.append(p)
+            else:
+                others.append((name, p))
+        plan = ({k: (names, np.array(numels, np.int64), params) for k, (names, numels, params) in dense.items()}, others)
+        self._param_group_cache[key] = (named, plan)
+        return plan
+
+    def _optimizer_ran(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        self._optimizers_ran.add(id(optimizer))
 
     @_guarded
     def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
@@ -478,6 +538,9 @@ class Recorder:
         loss is non-finite, the steps skip (parameters unchanged) and the escalated steps check
         them; ``postmortem`` traces them back over the skipped steps to the step that wrote them."""
         self._stepped = True
+        if (self._scaler_enabled and id(optimizer) in self._step_hooks and id(optimizer) not in self._optimizers_ran
+                and not getattr(optimizer, "_step_supports_amp_scaling", False)):
+            self._skipped_on_host = True  # torch's step() saw found_inf and did not run the optimizer
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
         self._param_optimizers.add(optimizer)
@@ -500,13 +563,10 @@ class Recorder:
         params = _merge_params([p for opt in list(self._param_optimizers) for p in self._check_params(opt)])
         if params is None:
             return
-        event = None
-        if params.peaks.device.type != "cpu":
-            params.peaks = to_host(params.peaks)
-            event = torch.cuda.Event()  # the writer reads the copy only after this
-            event.record()
+        params.peaks = self._copies.to_host(params.peaks)
         self._last_param_check = step
-        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, self._last_scalars, params, event))
+        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, self._last_scalars, params,
+                                    self._copies.seal()))
 
     def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
         """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
@@ -517,7 +577,9 @@ class Recorder:
         if cached is not None and all(a is b for a, b in zip(cached[0], params)):
             return cached[1]
         groups: dict[tuple, tuple[list, list, list]] = {}
-        for name, p in self._named_params(optimizer):
+        for name, p in self._named_parameters(optimizer):
+            if p.is_sparse:
+                continue
             local = local_tensor(p)
             names, numels, tensors = groups.setdefault((local.device, local.dtype), ([], [], []))
             names.append(name)
@@ -525,14 +587,6 @@ class Recorder:
             tensors.append(local)  # the parameter itself (read under no_grad): a later p.data = ... shows
         self._param_group_cache[key] = (params, list(groups.values()))
         return self._param_group_cache[key][1]
-
-    def _named_params(self, optimizer: torch.optim.Optimizer):
-        k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))
-        prefix = "" if k == 0 else f"optimizer{k}."
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                if not p.is_sparse:
-                    yield self._names.get(id(p)) or f"{prefix}group{g}.param{i}", p
 
     def _param_peak(self, device: torch.device) -> tuple[torch.Tensor, float]:
         """The largest parameter peak of the iteration on ``device`` (NaN if any is NaN), and
@@ -544,22 +598,40 @@ class Recorder:
             return torch.zeros((), device=device), 0.0
         return torch.stack(tops).max(), 1.0
 
-    def _named_grads(self, optimizer: torch.optim.Optimizer):
+    @staticmethod
+    def _named_grads(named_params: list[tuple[str, torch.Tensor]]):
+        """``(name, gradient)`` of each parameter with a nonempty gradient: this rank's shard of a
+        DTensor's (FSDP2), the stored values of a sparse one."""
+        for name, p in named_params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if type(grad) is not torch.Tensor:
+                grad = local_tensor(grad)  # FSDP2: this rank's shard
+            if grad.is_sparse:
+                # Observed through the stored values. On the CPU coalesced first, so that
+                # duplicates are summed as the optimizer will see them; on an accelerator
+                # coalescing syncs (its size depends on the data), so an uncoalesced gradient
+                # is observed with its duplicate entries apart.
+                if not grad.is_coalesced() and grad.device.type == "cpu":
+                    grad = grad.coalesce()
+                grad = grad._values()
+            if grad.numel():  # FSDP1: a rank may hold no shard of a parameter
+                yield name, grad
+
+    def _named_parameters(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """``optimizer``'s parameters with their names, built once per set of parameters."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        key = ("named", id(optimizer), len(params))
+        cached = self._param_group_cache.get(key)
+        if cached is not None and all(a is b for a, (_, b) in zip(params, cached)):
+            return cached
         k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))
         prefix = "" if k == 0 else f"optimizer{k}."
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is None:
-                    continue
-                grad = local_tensor(grad)  # FSDP2: this rank's shard
-                if grad.numel() == 0:
-                    continue  # FSDP1: this rank holds no shard of the parameter
-                if grad.is_sparse:
-                    # Observed through the stored values; coalesced so that duplicates are summed
-                    # as the optimizer will see them (torch coalesces fp16 ones in unscale_ too).
-                    grad = (grad if grad.is_coalesced() else grad.coalesce())._values()
-                yield self._names.get(id(p)) or f"{prefix}group{g}.param{i}", grad
+        named = [(self._names.get(id(p)) or f"{prefix}group{g}.param{i}", p)
+                 for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+        self._param_group_cache[key] = named
+        return named
 
     @_guarded
     def before_update(self, scaler: torch.amp.GradScaler) -> torch.Tensor | None:
@@ -606,17 +678,13 @@ class Recorder:
             for t in taps:
                 t.stats = None
             light = LightStep(self.step, taps, tops, None)
-        on_device = scalars is not None and scalars.device.type != "cpu"
-        tensors = [g.stats for g in record.groups] + [t.stats for t in record.taps]
-        if on_device or any(s.device.type != "cpu" for s in tensors):
-            record.scalars = to_host(scalars) if scalars is not None else None
-            for item in (*record.groups, *record.taps):
-                item.stats = item.stats.to_host(non_blocking=True)
-            if record.params is not None:
-                record.params.peaks = to_host(record.params.peaks)
-            if torch.cuda.is_available():
-                record.event = torch.cuda.Event()
-                record.event.record()
+        copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
+        record.scalars = copy(scalars) if scalars is not None else None
+        for item in (*record.groups, *record.taps):
+            item.stats = item.stats.to_host(copy)
+        if record.params is not None:
+            record.params.peaks = copy(record.params.peaks)
+        record.event = self._copies.seal()
         if mode is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
             self._taps_off(f"no module tap fired in step {self.step} although gradients were "
                            "recorded: the model runs under torch.compile, or model= is not the "
@@ -637,6 +705,10 @@ class Recorder:
         if light is not None:
             light.scalars, light.event = record.scalars, record.event
             self._flight.append(light)
+        if self._skipped_on_host:
+            self._on_anomaly(self.step, seen_on_host=True)
+        self._skipped_on_host = False
+        self._optimizers_ran.clear()
         self._pending_checks.append((self.step, record.scalars, record.event))
         self._check_anomalies(wait=False)
         self.step += 1
@@ -717,21 +789,25 @@ class Recorder:
         while self._flight and self._flight[0].step < horizon:
             self._flight.popleft()
 
-    def _on_anomaly(self, step: int, *, fatal: bool = False) -> None:
-        """Write out the flight recorder's steps up to ``step`` and escalate the next steps."""
-        window = [e for e in self._flight if step - self.options.flight_steps < e.step <= step]
-        later = [e for e in self._flight if e.step > step]  # seen already, checked later
-        self._flight.clear()
-        self._flight.extend(later)
-        steps = window
-        if steps:
-            record = FlightRecord(self.rank, steps)
-            if steps[0].peaks.device.type != "cpu":
-                for e in steps:
-                    e.peaks = to_host(e.peaks)
-                record.event = torch.cuda.Event()
-                record.event.record()
-            self.writer.put(record)
+    def _on_anomaly(self, step: int, *, fatal: bool = False, seen_on_host: bool = False) -> None:
+        """Write out the flight recorder's steps up to ``step`` and escalate the next steps, once
+        per anomalous step. ``seen_on_host``: a skip known at ``step()`` already (torch read
+        found_inf), before its copies have landed; the later check of its scalars comes back
+        here for the rest."""
+        if step > self._handled_anomaly:
+            self._handled_anomaly = step
+            window = [e for e in self._flight if step - self.options.flight_steps < e.step <= step]
+            later = [e for e in self._flight if e.step > step]  # seen already, checked later
+            self._flight.clear()
+            self._flight.extend(later)
+            if window:
+                for e in window:
+                    e.peaks = self._copies.to_host(e.peaks)
+                self.writer.put(FlightRecord(self.rank, window, self._copies.seal()))
+            if self.options.escalate_steps:
+                self._escalate_until = max(self._escalate_until, self.step + 1 + self.options.escalate_steps)
+        if seen_on_host:
+            return  # waiting for the writer now would wait for this step's copies: a sync
         # The anomaly's rows go to disk now, before the process can die of it (the step's own
         # record is queued already; its materialization closes a segment at once). A run of
         # skipped steps waits only at its first: a collapsing run must not also crawl; a non-finite
@@ -739,8 +815,6 @@ class Recorder:
         if (fatal or step != self._last_anomaly + 1) and not self._closing:
             self.writer.sync()
         self._last_anomaly = step
-        if self.options.escalate_steps:
-            self._escalate_until = max(self._escalate_until, self.step + 1 + self.options.escalate_steps)
 
     # -- worker thread -----------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
@@ -945,7 +1019,7 @@ def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, op
     scaler, recording or not. It happens once, at construction. Rank 0's id is new, except when
     ``start_step`` > 0 (a resumed run): then it continues the latest run already at the path."""
     rank, world_size = _rank_and_world(options.rank)
-    run_id = _shared_run_id(world_size, options.path if start_step > 0 else None)
+    run_id = _shared_run_id(world_size, options.path if start_step > 0 else None, model)
     if options.ranks is not None and rank not in options.ranks:
         return None
     return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
@@ -959,7 +1033,24 @@ def _env_run_id() -> str | None:
     return None
 
 
-def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None) -> str | None:
+def broadcast_device(model: torch.nn.Module | None) -> torch.device | None:
+    """The device this rank's collectives use: NCCL's default is ``torch.cuda.current_device()``,
+    which is GPU 0 on every rank that never called ``set_device``. The model's device when it is
+    on an accelerator; else, under NCCL, ``LOCAL_RANK``'s GPU; else the backend's default (None)."""
+    if model is not None:
+        for p in model.parameters():
+            if p.device.type != "cpu":
+                return p.device
+            break
+    dist = torch.distributed
+    if dist.get_backend() == "nccl":
+        local = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    return None
+
+
+def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None,
+                   model: torch.nn.Module | None = None) -> str | None:
     # Resuming: the latest run at the path, unless the user named the run (torchrun makes a new
     # rendezvous id at every launch, so its id cannot say which run is resumed).
     explicit = os.environ.get("AMPDOCTOR_RUN_ID") or None
@@ -969,7 +1060,7 @@ def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None) 
     dist = torch.distributed
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         box = [(_latest_run_id(resume_at) or env or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, device=broadcast_device(model))
         return box[0]
     shared = _latest_run_id(resume_at) or env
     if shared is None and world_size > 1:

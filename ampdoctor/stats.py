@@ -18,18 +18,24 @@ tensors together when ``per_tensor=False``):
 * ``hist``  counts of nonzero finite elements per binade of the unscaled magnitude; magnitudes
   below ``2**hist_min_exp`` (even those that flush to 0 when unscaled in fp32) go to bin 0.
 
-How: tensors of one (device, dtype) group are flattened into chunks of at most ``CHUNK_ELEMENTS``
-elements. Each element's unscaled float32 bit pattern gives, shifted right by 22, one integer
-*code*: its exponent field and the top mantissa bit (which tells a quiet NaN from inf), so a single
-bincount per slot yields the histogram and the NaN and inf counts; the binades are mapped onto
-histogram bins on the host. The smallest nonzero magnitude is found on bit patterns (order-
-preserving for non-negative floats; zero and non-finite values are shifted out of the way), the
-largest after non-finite values are replaced by 0: both exact. Nothing here calls ``.item()``, boolean indexing
-or any other op whose output size depends on data, so on CUDA it queues kernels and returns.
+How: two algorithms compute the same numbers (tests hold them to it on the same tensors), chosen
+by :func:`algorithm_for` the device or explicitly (``algorithm=``), so the accelerator one also
+runs on CPU tensors. *host*: per-tensor kernels where a tensor is large, grouped ``foreach``
+ops otherwise; full statistics reduce slices of a flat buffer. *accelerator*: a fixed number of
+launches per chunk of ``CHUNK_ELEMENTS`` elements, whatever the number of tensors in it, with no
+float atomics (results are the same run to run; ``use_deterministic_algorithms`` is respected).
+
+Full statistics: each element's unscaled float32 bit pattern gives, shifted right by 22, one
+integer *code*: its exponent field and the top mantissa bit (which tells a quiet NaN from inf),
+so one count per slot and code yields the histogram and the NaN and inf counts; the binades are
+mapped onto histogram bins on the host. The smallest nonzero magnitude and the largest finite
+one are exact. Nothing here calls ``.item()``, boolean indexing or any other op whose output
+size depends on data, so on an accelerator it queues kernels and returns.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass
 from typing import Sequence
@@ -39,18 +45,35 @@ import torch
 
 from .schema import HIST_BINS, HIST_MIN_EXP
 
-CHUNK_ELEMENTS = 1 << 22  # bounds the temporaries: ~16 bytes per element of the chunk
+CHUNK_ELEMENTS = 1 << 22  # bounds the accelerator algorithm's temporaries: ~20 bytes per element
 # On the CPU, chunks whose temporaries stay in cache: fresh multi-MB temporaries cost a page fault
 # per 4 KiB, which made the pass 2-4x slower than its arithmetic.
 CPU_CHUNK_ELEMENTS = 1 << 18
 # Peaks between which a float32 dot product of a tensor with itself is exact to float32 rounding
 # (squares stay normal, sums of up to 2**40 of them finite).
 _DOT_SAFE_BELOW, _DOT_SAFE_ABOVE = 1e-15, 1e15
+# The host algorithm's light statistics: tensors below this size are copied into one buffer
+# (groups of at most HOST_GROUP_ELEMENTS) and reduced per segment there, a few ops for all of them;
+# larger ones are reduced one by one (reading them in place beats a copy, and their kernels
+# dwarf a dispatch). Measured crossover on a CPU core: about 8k elements.
+HOST_SMALL_BELOW = 1 << 12
+HOST_GROUP_ELEMENTS = 1 << 20
+
+ALGORITHMS = ("host", "accelerator")
+
+
+def algorithm_for(device: torch.device) -> str:
+    """``"host"`` for CPU tensors, ``"accelerator"`` for every other device (cuda, xpu, mps, meta)."""
+    return "host" if torch.device(device).type == "cpu" else "accelerator"
+
 
 _ABS_MASK = 0x7FFFFFFF
 _INF_BITS = 0x7F800000
 _CODES = 512              # float32 bits >> 22: exponent field (256) x top mantissa bit (2)
-_STRIDE = _CODES + 2      # per slot: the codes, then n_zero, then n_below_normal (zeros included)
+# Per slot after the codes: elements at or above the smallest normal (unused), nonzero ones below
+# it (subnormal), zeros; so that base + _ABOVE + below + zero lands in the right one.
+_ABOVE, _BELOW, _ZERO = _CODES, _CODES + 1, _CODES + 2
+_STRIDE = _CODES + 3
 _NO_AMIN = 0x7F7FFFFF     # amin is kept as (bits - 1) & _ABS_MASK: zero and non-finite land at or above this
 
 
@@ -71,14 +94,11 @@ class DeviceStats:
     def device(self) -> torch.device:
         return self.counts.device
 
-    def to_host(self, non_blocking: bool) -> "DeviceStats":
-        """Copy into (pinned, when the source is on an accelerator) host buffers. Does not sync
-        when ``non_blocking``; the caller must wait on an event before reading the result."""
-        if self.counts.device.type == "cpu":
-            return self
-        return DeviceStats(*(to_host(t, non_blocking) for t in
-                             (self.counts, self.amax, self.amin_code, self.sumsq, self.line_zeros)),
-                           self.hist_min_exp, self.bins)
+    def to_host(self, copy) -> "DeviceStats":
+        """The same statistics, each tensor passed through ``copy`` (a
+        :meth:`ampdoctor.transfer.HostCopies.to_host`)."""
+        return DeviceStats(copy(self.counts), copy(self.amax), copy(self.amin_code), copy(self.sumsq),
+                           copy(self.line_zeros), self.hist_min_exp, self.bins)
 
 
 @dataclass
@@ -93,17 +113,8 @@ class LightStats:
     def device(self) -> torch.device:
         return self.peaks.device
 
-    def to_host(self, non_blocking: bool) -> "LightStats":
-        return LightStats(to_host(self.peaks, non_blocking), to_host(self.norms, non_blocking))
-
-
-def to_host(t: torch.Tensor, non_blocking: bool = True) -> torch.Tensor:
-    """``t`` itself if on the CPU, else a copy into pinned host memory (no sync when
-    ``non_blocking``: read it only after an event recorded after this call has completed)."""
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return host.copy_(t, non_blocking=non_blocking)
+    def to_host(self, copy) -> "LightStats":
+        return LightStats(copy(self.peaks), copy(self.norms))
 
 
 @dataclass
@@ -134,7 +145,7 @@ class HostStats:
     def from_device(cls, raw: DeviceStats) -> "HostStats":
         counts = raw.counts.numpy().reshape(-1, _STRIDE)
         codes = counts[:, :_CODES].reshape(-1, 256, 2)            # [slot, exponent field, mantissa bit]
-        n_zero = counts[:, _CODES].copy()
+        n_zero = counts[:, _ZERO].copy()
         finite = codes[:, :255].sum(axis=2)                        # per exponent field
         finite[:, 0] -= n_zero                                     # zeros are exponent 0, not a binade
         amin_code = raw.amin_code.numpy()
@@ -144,7 +155,7 @@ class HostStats:
             amin=amin.view(np.float32),
             l2=_to_float32(np.sqrt(raw.sumsq.numpy())),
             n_zero=n_zero,
-            n_subnormal=counts[:, _CODES + 1] - n_zero,
+            n_subnormal=counts[:, _BELOW].copy(),
             n_nan=codes[:, 255, 1].copy(),
             n_inf=codes[:, 255, 0].copy(),
             hist=(finite @ _binade_to_bin(raw.hist_min_exp, raw.bins)).astype(np.int32),
@@ -213,109 +224,169 @@ def _to_float32(values: np.ndarray) -> np.ndarray:
 
 
 class SlotLayouts:
-    """Caches the small per-chunk index tensors (slot ids and lengths) on the device.
+    """Caches, per chunk layout, the small index tensors of the accelerator algorithm on the
+    device: where each segment starts, and the step in ``slot * _STRIDE`` there.
 
-    Building them from Python lists every step would be a pageable host-to-device copy, which
-    synchronises; the layout of a model's gradients rarely changes, so they are built once."""
+    Built from Python lists they are a host-to-device copy; the layouts of a model's gradients
+    rarely change, so each is built once. Least recently used layouts go first when the cache is
+    full, and a miss copies from pinned memory without blocking (no sync): a model with more chunk
+    layouts than the cache holds (GPT-2-XL has 193) costs an asynchronous copy per miss, no stall."""
 
-    def __init__(self, max_entries: int = 64) -> None:
-        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, max_entries: int = 1024) -> None:
+        self._cache: collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
         self._max_entries = max_entries
+        self.misses = 0
 
-    def get(self, device: torch.device, slots: tuple[int, ...], lengths: tuple[int, ...]):
-        key = (device, slots, lengths)
+    def get(self, device: torch.device, segments: tuple[tuple[int, int, int], ...], dtype=torch.int32):
+        """``(starts, steps)`` of the chunk's ``(slot, start, length)`` segments: int64 and ``dtype``."""
+        key = (device, segments, dtype)
         hit = self._cache.get(key)
-        if hit is None:
-            if len(self._cache) >= self._max_entries:
-                self._cache.clear()
-            hit = (torch.tensor(slots, dtype=torch.int64, device=device),
-                   torch.tensor(lengths, dtype=torch.int64, device=device))
-            self._cache[key] = hit
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        self.misses += 1
+        if len(self._cache) >= self._max_entries:
+            self._cache.popitem(last=False)
+        slots = [slot for slot, _, _ in segments]
+        host = torch.tensor([[start for _, start, _ in segments],
+                             [(b - a) * _STRIDE for a, b in zip([0] + slots, slots)]], dtype=torch.int64)
+        if device.type != "cpu" and torch.accelerator.is_available():
+            host = host.pin_memory()  # pageable memory would make the copy synchronous
+        starts, steps = host.to(device, non_blocking=True).unbind(0)
+        hit = self._cache[key] = (starts, steps.to(dtype))
         return hit
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 _DEFAULT_LAYOUTS = SlotLayouts()
 
 
-def peaks(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) -> torch.Tensor:
+def peaks(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None, *,
+          algorithm: str | None = None) -> torch.Tensor:
     """float32 ``[len(tensors)]``: ``max |x|`` of each tensor (one device), NaN if it held a NaN,
-    else inf if it held an inf. No sync. On the CPU one ``aminmax`` per tensor (vectorised, and
-    NaN-propagating; the inf-norm kernel there is ~15x slower). On an accelerator one fused
-    inf-norm, with NaN made certain from the L2 norms (``norms``, computed if not given), which
-    always propagate it."""
+    else inf if it held an inf; 0 for an empty tensor (a rank that holds no shard). No sync.
+
+    ``"host"``: see :func:`light_stats`. ``"accelerator"``: one fused inf-norm, with NaN made
+    certain from the L2 norms (``norms``, computed if not given), which always propagate it."""
+    algorithm = _algorithm(algorithm, tensors)
     with torch.no_grad():
-        if tensors[0].device.type == "cpu":
-            # An empty tensor (a rank holding no shard of a parameter) has peak 0.
-            return peak_magnitudes([extremes(t) if t.numel() else (t.new_zeros(()),) * 2 for t in tensors],
-                                   tensors[0].device)
-        top = torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
+        if algorithm == "host":
+            return _host_light(tensors, with_norms=False)[1]
         if norms is None:
             norms = _float32_norms(tensors)
+        top = torch.stack(_each_nonempty(lambda ts: torch._foreach_norm(ts, float("inf")), tensors)).float()
         return torch.where(torch.isnan(norms), norms, top)
 
 
+def _algorithm(algorithm: str | None, tensors: Sequence[torch.Tensor]) -> str:
+    if algorithm is None:
+        return algorithm_for(tensors[0].device)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    return algorithm
+
+
+def _each_nonempty(foreach, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``foreach(tensors)`` (a grouped op returning one 0-dim tensor per tensor), with a 0-dim
+    zero for each empty tensor: reductions without an identity (max, inf-norm) raise on them."""
+    full = [t for t in tensors if t.numel()]
+    if len(full) == len(tensors):
+        return list(foreach(list(tensors)))
+    results = iter(foreach(full) if full else [])
+    zero = tensors[0].new_zeros(())
+    return [next(results) if t.numel() else zero for t in tensors]
+
+
+def _host_light(tensors: Sequence[torch.Tensor], with_norms: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(norms or None, peaks), float32, of CPU tensors. Small tensors: copied into one float
+    buffer per group (one ``_chunk_cat``), made absolute, and reduced per segment on the host
+    (numpy ``reduceat``: the peak NaN-propagating, the sum of squares in float64, so no square
+    under- or overflows). Large tensors: a grouped float32 norm and one ``aminmax`` each, then
+    the rare norm whose squares leave float32's range is recomputed on rescaled values."""
+    n = len(tensors)
+    top = np.zeros(n, np.float32)
+    norms = np.zeros(n, np.float32)
+    small, group, size = [], [], 0
+    large = []
+    for i, t in enumerate(tensors):
+        k = t.numel()
+        if k >= HOST_SMALL_BELOW:
+            large.append(i)
+        elif k:
+            if size + k > HOST_GROUP_ELEMENTS and group:
+                small.append(group)
+                group, size = [], 0
+            group.append(i)
+            size += k
+    if group:
+        small.append(group)
+    for members in small:
+        parts = [tensors[i] if tensors[i].dim() else tensors[i].view(1) for i in members]
+        flat = torch._chunk_cat(parts, 0, 1)  # one copy of all of them, whatever their shapes
+        values = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).abs_().view(-1).numpy()
+        starts = np.cumsum([0] + [p.numel() for p in parts[:-1]])
+        top[members] = np.maximum.reduceat(values, starts)
+        if with_norms:
+            with np.errstate(over="ignore"):
+                norms[members] = np.sqrt(np.add.reduceat(np.square(values, dtype=np.float64), starts))
+    if large:
+        chosen = [tensors[i] for i in large]
+        top[large] = peak_magnitudes([extremes(t) for t in chosen], chosen[0].device).numpy()
+        if with_norms:
+            big = _float32_norms(chosen)
+            _rescale_risky_norms(chosen, big, torch.from_numpy(top[large]))
+            norms[large] = big.numpy()
+    return (torch.from_numpy(norms) if with_norms else None), torch.from_numpy(top)
+
+
 def _float32_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float32 ``[len(tensors)]``: fused L2 norms (one device). A tensor wider than float32
-    (float64) is reduced in its own precision and then cast: torch refuses a narrowing ``dtype=``.
-    No sync."""
+    """float32 ``[len(tensors)]``: grouped L2 norms (one device; 0 for an empty tensor). A tensor
+    wider than float32 (float64) is reduced in its own precision and then cast: torch refuses a
+    narrowing ``dtype=``. No sync."""
     wide = [t.element_size() > 4 for t in tensors]
     if not any(wide):
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    narrow = iter(torch._foreach_norm([t for t, w in zip(tensors, wide) if not w], 2, dtype=torch.float32)
-                  if not all(wide) else [])
-    widened = iter(n.float() for n in torch._foreach_norm([t for t, w in zip(tensors, wide) if w], 2))
+        return torch.stack(_each_nonempty(lambda ts: torch._foreach_norm(ts, 2, dtype=torch.float32), tensors))
+    narrow = iter(_each_nonempty(lambda ts: torch._foreach_norm(ts, 2, dtype=torch.float32),
+                                 [t for t, w in zip(tensors, wide) if not w]) if not all(wide) else [])
+    widened = iter(n.float() for n in _each_nonempty(lambda ts: torch._foreach_norm(ts, 2),
+                                                     [t for t, w in zip(tensors, wide) if w]))
     return torch.stack([next(widened) if w else next(narrow) for w in wide])
 
 
-def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | None) -> LightStats:
+def light_stats(tensors: Sequence[torch.Tensor], *, inv_scale: torch.Tensor | None,
+                algorithm: str | None = None) -> LightStats:
     """Peak magnitude and L2 norm of each tensor (one device), unscaled by ``inv_scale`` (0-dim
-    float32 on that device, or None). Fused reductions and no temporaries the size of the data:
-    the every-step statistics. The norm is accumulated in float32 (float64 costs 6x on the CPU).
-    On the CPU a tensor whose peak is below 1e-15 or above 1e15 is rescaled first, so its norm is
-    exact to float32 rounding; on an accelerator (torch's fused norm, no rescaling: that would
-    need a look at the values, a sync) elements beyond ~1.8e19 may make it inf and a tensor of
-    elements all below ~1e-19 may read 0. Does not sync."""
+    float32 on that device, or None): the every-step statistics. Grouped, so the ops dispatched
+    do not grow with the number of tensors, except on the host one ``aminmax`` per tensor of
+    ``HOST_SMALL_BELOW`` elements or more. ``"host"``: exact to float32 rounding (see
+    :func:`_host_light`). ``"accelerator"``: torch's fused float32 norms, unrescaled (rescaling
+    would need a look at the values, a sync): elements beyond ~1.8e19 may make a norm inf and a
+    tensor of elements all below ~1e-19 may read 0. Does not sync."""
     if not tensors:
         raise ValueError("light_stats needs at least one tensor")
+    algorithm = _algorithm(algorithm, tensors)
     with torch.no_grad():
-        if tensors[0].device.type == "cpu":
-            norms, top = _cpu_light_stats(tensors)
+        if algorithm == "host":
+            norms, top = _host_light(tensors)
         else:
             norms = _float32_norms(tensors)
-            top = peaks(tensors, norms)
+            top = peaks(tensors, norms, algorithm=algorithm)
         if inv_scale is not None:
             top, norms = top * inv_scale, norms * inv_scale  # as torch's unscale_: fp32 products
     return LightStats(top, norms)
 
 
-def _cpu_light_stats(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norms, peaks) on the CPU, one tensor at a time: its sum of squares, then its min/max,
-    so that the second read of a gradient (a few MB at most) comes from cache, not memory. A
-    float32 dot product is ~2.5x cheaper than ``vector_norm`` here; inf and NaN propagate."""
-    norms, pairs = [], []
-    for t in tensors:
-        if not t.numel():
-            zero = t.new_zeros((), dtype=torch.float32)
-            norms.append(zero)
-            pairs.append((zero, zero))
-            continue
-        if t.dtype == torch.float32 and t.is_contiguous():
-            flat = t.view(-1)
-            norms.append(torch.dot(flat, flat).sqrt())
-        elif t.element_size() > 4:  # float64: torch refuses a narrowing dtype=; reduce, then cast
-            norms.append(torch.linalg.vector_norm(t).float())
-        else:  # a half-precision dot would overflow at 65504
-            norms.append(torch.linalg.vector_norm(t, dtype=torch.float32))
-        pairs.append(extremes(t))
-    norms, top = torch.stack(norms), peak_magnitudes(pairs, tensors[0].device)
-    # Squares in float32 (here and in torch's own norms) vanish below ~1e-19 and overflow beyond
-    # ~1.8e19. The rare tensor whose peak is that far from 1 is rescaled first (reading CPU
-    # values is no device sync), so its norm is right unless the norm itself is out of range.
-    risky = ((top > 0) & (top < _DOT_SAFE_BELOW)) | ((top > _DOT_SAFE_ABOVE) & torch.isfinite(top))
-    if risky.any():
-        for i in risky.nonzero().flatten().tolist():
-            norms[i] = _rescaled_norm(tensors[i].float(), top[i])
-    return norms, top
+def _rescale_risky_norms(tensors: Sequence[torch.Tensor], norms: torch.Tensor, top: torch.Tensor) -> None:
+    """Squares in float32 vanish below ~1e-19 and overflow beyond ~1.8e19: recompute, in place,
+    the norm of the rare tensor whose peak is that far from 1 on values rescaled near 1 (host
+    tensors only: this reads their peaks)."""
+    values = top.numpy()
+    with np.errstate(invalid="ignore"):
+        risky = np.flatnonzero(((values > 0) & (values < _DOT_SAFE_BELOW)) | ((values > _DOT_SAFE_ABOVE) & np.isfinite(values)))
+    for i in risky.tolist():
+        norms[i] = _rescaled_norm(tensors[i].float(), top[i])
 
 
 def tensor_stats(
@@ -328,38 +399,37 @@ def tensor_stats(
     hist_bins: int = HIST_BINS,
     layouts: SlotLayouts | None = None,
     lines: str = "rows",
+    algorithm: str | None = None,
 ) -> DeviceStats:
     """Full statistics of ``tensors`` (one device, one dtype; they hold *scaled* values).
 
     ``inv_scale`` is the 0-dim float32 reciprocal of the loss scale on the same device (None when
     scaling is off); ``subnormal_below`` is the AMP format's smallest normal; ``lines`` how the
-    zero lines are counted (:func:`zero_line_elements`). Does not sync.
+    zero lines are counted (:func:`zero_line_elements`); ``algorithm`` ``"host"`` or
+    ``"accelerator"`` (default: :func:`algorithm_for` the device). Does not sync.
     """
     if not tensors:
         raise ValueError("tensor_stats needs at least one tensor")
+    algorithm = _algorithm(algorithm, tensors)
     device = tensors[0].device
-    layouts = layouts or _DEFAULT_LAYOUTS
     n_slots = len(tensors) if per_tensor else 1
     counts = torch.zeros(n_slots * _STRIDE, dtype=torch.int64, device=device)
-    amax = torch.zeros(n_slots, dtype=torch.float32, device=device)
-    amin_code = torch.full((n_slots,), _ABS_MASK, dtype=torch.int32, device=device)
-    sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
     line_zeros = _line_zeros(tensors, per_tensor, lines)
     if inv_scale is not None:
         # A scale of 0 (collapsed) would make 0 * inf = NaN of every zero.
         inv_scale = inv_scale.clamp(max=torch.finfo(torch.float32).max)
-
+    threshold = _threshold(subnormal_below, tensors[0].dtype)
     with torch.no_grad():
-        limit = min(CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS) if device.type == "cpu" else CHUNK_ELEMENTS
-        for views, segments in _chunks(tensors, per_tensor, limit):
-            flat = views[0] if len(views) == 1 else torch.cat(views)
-            seg = None
-            if device.type != "cpu" and len(segments) > 1:
-                # On an accelerator, one grouped scatter per statistic instead of a launch per tensor.
-                slot_ids, lengths = layouts.get(device, tuple(s for s, _, _ in segments),
-                                                tuple(n for _, _, n in segments))
-                seg = torch.repeat_interleave(slot_ids, lengths, output_size=flat.numel())
-            _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, amin_code, sumsq)
+        if algorithm == "host":
+            amax = torch.zeros(n_slots, dtype=torch.float32, device=device)
+            amin_code = torch.full((n_slots,), _ABS_MASK, dtype=torch.int32, device=device)
+            sumsq = torch.zeros(n_slots, dtype=torch.float64, device=device)
+            for views, segments in _chunks(tensors, per_tensor, CPU_CHUNK_ELEMENTS):
+                flat = views[0] if len(views) == 1 else torch.cat(views)
+                _host_accumulate(flat, segments, inv_scale, threshold, counts, amax, amin_code, sumsq)
+        else:
+            amax, amin_code, sumsq = _grouped_stats(tensors, per_tensor, n_slots, inv_scale, threshold, counts,
+                                                    _DEFAULT_LAYOUTS if layouts is None else layouts)
     return DeviceStats(counts, amax, amin_code, sumsq, line_zeros, hist_min_exp, hist_bins)
 
 
@@ -384,10 +454,9 @@ def zero_line_elements(tensor: torch.Tensor, lines: str = "rows") -> torch.Tenso
 
 def _line_zeros(tensors: Sequence[torch.Tensor], per_tensor: bool, lines: str) -> torch.Tensor:
     """int64 [slots]: :func:`zero_line_elements` per tensor, or summed into one slot."""
-    device = tensors[0].device
     with torch.no_grad():
-        values = [zero_line_elements(t, lines) for t in tensors]
-    stacked = torch.stack(values) if values else torch.zeros(0, dtype=torch.int64, device=device)
+        none = torch.zeros((), dtype=torch.int64, device=tensors[0].device)  # shared: a launch, not one per tensor
+        stacked = torch.stack([zero_line_elements(t, lines) if t.dim() >= 2 and t.numel() else none for t in tensors])
     return stacked if per_tensor else stacked.sum(dim=0, keepdim=True)
 
 
@@ -402,7 +471,7 @@ def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool, limit: int):
         flat = t.detach().reshape(-1)
         slot = i if per_tensor else 0
         for start in range(0, flat.numel(), limit):
-            piece = flat[start:start + limit]
+            piece = flat.narrow(0, start, min(limit, flat.numel() - start))
             if size + piece.numel() > limit and views:
                 yield views, segments
                 views, segments, size = [], [], 0
@@ -416,7 +485,9 @@ def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool, limit: int):
         yield views, segments
 
 
-def _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, amin_code, sumsq) -> None:
+def _host_accumulate(flat, segments, inv_scale, threshold, counts, amax, amin_code, sumsq) -> None:
+    """The host algorithm: reductions over the slices of one chunk (no launch overhead to
+    amortise on the CPU), accumulated into the per-slot results."""
     scaled_abs = flat.abs()
     # float32 from here on: exact for fp16/bf16 values, and compares on float32 are twice as fast.
     scaled32 = scaled_abs.float() if scaled_abs.dtype != torch.float32 else scaled_abs
@@ -426,31 +497,92 @@ def _accumulate(flat, seg, segments, inv_scale, subnormal_below, counts, amax, a
     finite_values = torch.nan_to_num(bits.view(torch.float32), nan=0.0, posinf=0.0)
     # (bits - 1) & mask: zero wraps to the top, non-finite stays above every finite nonzero.
     nonzero_code = (bits - 1) & _ABS_MASK
-    below = scaled32 < _threshold(subnormal_below, scaled_abs.dtype)
-
-    if seg is not None:
-        base = seg * _STRIDE
-        ones = torch.ones(1, dtype=torch.int64, device=flat.device).expand_as(seg)
-        counts.index_add_(0, base + code, ones)
-        counts.index_add_(0, base + _CODES, (scaled_abs == 0).long())
-        counts.index_add_(0, base + (_CODES + 1), below.long())
-        amax.scatter_reduce_(0, seg, finite_values, "amax")
-        amin_code.scatter_reduce_(0, seg, nonzero_code, "amin")
-        sumsq.index_add_(0, seg, finite_values.double().square())
-        return
-    # On the CPU (or a chunk of one slot) reductions over slices of the flat buffers are cheaper
-    # than scatters: there is no launch overhead to amortise.
+    below = scaled32 < threshold
     for slot, start, length in segments:
         part = slice(start, start + length)
         base = slot * _STRIDE
-        counts[base:base + _CODES] += _bincount(code[part], _CODES)
-        counts[base + _CODES] += length - torch.count_nonzero(scaled_abs[part])
-        counts[base + _CODES + 1] += torch.count_nonzero(below[part])
+        zeros = length - torch.count_nonzero(scaled_abs[part])
+        counts[base:base + _CODES] += torch.bincount(code[part], minlength=_CODES)
+        counts[base + _ZERO] += zeros
+        counts[base + _BELOW] += torch.count_nonzero(below[part]) - zeros
         values = finite_values[part]
         top = values.max()
         amax[slot] = torch.maximum(amax[slot], top)
         amin_code[slot] = torch.minimum(amin_code[slot], nonzero_code[part].min())
         sumsq[slot] += _rescaled_norm(values, top).square()
+
+
+def _grouped_stats(tensors, per_tensor, n_slots, inv_scale, threshold, counts, layouts):
+    """The accelerator algorithm: per chunk a fixed number of launches whatever its number of
+    tensors. Counts go through ``index_add_`` on integers (exact in any order; deterministic
+    under ``torch.use_deterministic_algorithms``); maxima, minima and sums of squares through
+    grouped reductions over the chunk's segments, combined per slot afterwards: no float atomics
+    and no ``scatter_reduce``, so results are the same run to run. Temporaries peak at about 16
+    bytes per element of a chunk (``CHUNK_ELEMENTS``; the test measures it). Returns (amax,
+    amin_code, sumsq)."""
+    device = tensors[0].device
+    # int32 keys (half the memory) unless slot * _STRIDE could pass 2**31 (over 4 million tensors)
+    index_dtype = torch.int32 if n_slots * _STRIDE < 2**31 else torch.int64
+    per_segment: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (slot, max, -min, norm)
+    for views, segments in _chunks(tensors, per_tensor, CHUNK_ELEMENTS):
+        # One float32 work buffer, changed in place: |scaled|, then |unscaled|, then its finite part.
+        if len(views) == 1:
+            work = views[0].abs() if views[0].dtype == torch.float32 else views[0].float().abs_()
+        else:
+            flat = torch.cat(views)
+            work = flat.abs_() if flat.dtype == torch.float32 else flat.float().abs_()
+            del flat
+        zero, below = work == 0, work < threshold
+        if inv_scale is not None:
+            work.mul_(inv_scale)  # torch's unscale_ product
+        # Each element's slot * _STRIDE: a step function over the chunk, from its segments.
+        if len(segments) == 1:
+            base: torch.Tensor | int = segments[0][0] * _STRIDE
+        else:
+            starts, steps = layouts.get(device, tuple(segments), index_dtype)
+            base = torch.zeros(work.numel(), dtype=index_dtype, device=device).scatter_(0, starts, steps).cumsum_(0)
+        key = (work.view(torch.int32) & _ABS_MASK).bitwise_right_shift_(22).to(index_dtype)  # abs() may keep -NaN's sign
+        ones = torch.ones((), dtype=torch.int64, device=device).expand(work.numel())
+        counts.index_add_(0, key.add_(base), ones)
+        if isinstance(base, int):
+            key.fill_(base + _ABOVE)
+        else:
+            torch.add(base, _ABOVE, out=key)
+        counts.index_add_(0, key.add_(below).add_(zero), ones)
+        del key, base, zero, below
+        torch.nan_to_num_(work, nan=0.0, posinf=0.0)
+        parts = torch.split(work, [n for _, _, n in segments])
+        maxima = torch._foreach_max(parts)
+        norms = torch._foreach_norm(parts, 2, dtype=torch.float64)
+        # The smallest nonzero: max of the negated values, zeros pushed to -inf.
+        work.masked_fill_(work == 0, float("inf")).neg_()
+        minima = torch._foreach_max(parts)
+        per_segment.extend((slot, top, low, norm) for (slot, _, _), top, low, norm in zip(segments, maxima, minima, norms))
+    return _per_slot(per_segment, n_slots, device)
+
+
+def _per_slot(per_segment, n_slots: int, device: torch.device):
+    """(amax, amin_code, sumsq) per slot from the segments' (max, -min, norm), combining the
+    segments of a tensor split over chunks; a slot with no segment (an empty tensor) has none."""
+    by_slot: list[list[int]] = [[] for _ in range(n_slots)]
+    for i, (slot, _, _, _) in enumerate(per_segment):
+        by_slot[slot].append(i)
+    zero32 = torch.zeros((), dtype=torch.float32, device=device)
+    none_min = torch.full((), float("-inf"), dtype=torch.float32, device=device)
+    zero64 = torch.zeros((), dtype=torch.float64, device=device)
+
+    def combine(column: int, empty: torch.Tensor, reduce):
+        out = []
+        for members in by_slot:
+            values = [per_segment[i][column] for i in members]
+            out.append(empty if not values else values[0] if len(values) == 1 else reduce(torch.stack(values)))
+        return torch.stack(out)
+
+    amax = combine(1, zero32, torch.amax)
+    low = -combine(2, none_min, torch.amax)  # +inf where no nonzero finite element
+    sumsq = combine(3, zero64, lambda norms: norms.square().sum().sqrt()).square()
+    # (bits - 1) of the smallest nonzero; +inf (none) lands exactly on _NO_AMIN.
+    return amax, low.view(torch.int32) - 1, sumsq
 
 
 def _rescaled_norm(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -466,8 +598,10 @@ def _rescaled_norm(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 def extremes(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` of ``tensor``, 0-dim, in one pass (NaN if any element is NaN): the
     every-step non-finite check of module taps. No sync. ``tensor`` must not be empty.
-    (``aminmax`` is one kernel on CUDA and, on the CPU, ~25x faster than an inf-norm.)"""
-    return torch.aminmax(tensor.detach())
+    (``aminmax`` is one kernel on CUDA and, on the CPU, ~25x faster than an inf-norm; no_grad,
+    not ``detach()``, keeps it out of the graph: one dispatched op, not two.)"""
+    with torch.no_grad():
+        return torch.aminmax(tensor)
 
 
 def peak_magnitudes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
@@ -483,11 +617,3 @@ def _threshold(value: float, dtype: torch.dtype) -> float:
     stop zeros from counting as below it."""
     info = torch.finfo(dtype)
     return max(value, info.tiny * info.eps)
-
-
-def _bincount(index: torch.Tensor, length: int) -> torch.Tensor:
-    if index.device.type == "cpu":
-        return torch.bincount(index, minlength=length)  # int32 codes are fine here
-    # torch.bincount sizes its output from the data (a sync); a fixed-size scatter does not.
-    out = torch.zeros(length, dtype=torch.int64, device=index.device)
-    return out.index_add_(0, index, torch.ones(1, dtype=torch.int64, device=index.device).expand_as(index))

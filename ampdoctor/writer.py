@@ -1,7 +1,9 @@
 """Background writer: step records → Arrow → closed Parquet segment files.
 
 One :class:`RunWriter` per recording process and rank. The training thread only ``put()``s records
-into a bounded queue; a daemon thread waits for each record's copy event, turns it into rows and
+into a bounded queue; a daemon thread, woken every :data:`POLL_SECONDS` (sooner when the queue is
+half full or a sync or close is asked for) so that it takes the GIL in a few batches a second
+rather than at every step, waits for each record's copy fence, turns it into rows and
 writes a segment (temporary ``.name``, then an atomic rename) every ``flush_every`` steps,
 every ``flush_seconds``, at once after an anomaly (a skipped step or a non-finite loss), and on
 ``close()``. So host memory is bounded by ``queue_size`` records plus one segment's rows, and a
@@ -46,7 +48,7 @@ from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schem
 _CLOSE = object()   # shutdown sentinel
 SYNC_TIMEOUT = 30.0   # seconds an anomaly's sync may wait for the writer (once per stall)
 CLOSE_TIMEOUT = 30.0  # seconds close() may wait for the writer
-POLL_SECONDS = 0.1    # how often an idle worker looks for a close or flush requested without the queue
+POLL_SECONDS = 0.05   # how often the worker looks for records (unless woken), a close or a flush
 FLUSH_TIMEOUT = 5.0   # seconds a signal handler that lets the program go on waits for the flush
 
 
@@ -142,6 +144,8 @@ class RunWriter:
         self._flush_every = flush_every
         self._flush_seconds = flush_seconds
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._wake = threading.Event()  # set when the worker must not wait for its next poll
+        self._wake_at = max(1, queue_size // 2)
         self._pending = Columns()
         self._segment = 0
         self._last_flush = time.monotonic()
@@ -191,6 +195,8 @@ class RunWriter:
         except queue.Full:
             self.dropped += 1
             return False
+        if self._queue.qsize() >= self._wake_at:  # fast steps: drain before the queue fills
+            self._wake.set()
         return True
 
     def sync(self, timeout: float | None = None) -> bool:
@@ -206,6 +212,7 @@ class RunWriter:
             self._queue.put_nowait(_Sync(done))
         except queue.Full:
             return False
+        self._wake.set()
         self._sync = done
         return done.wait(SYNC_TIMEOUT if timeout is None else timeout)
 
@@ -218,9 +225,10 @@ class RunWriter:
         if first:
             self._closing = True
             try:
-                self._queue.put_nowait(_CLOSE)  # wakes the worker; when full it sees _closing once drained
+                self._queue.put_nowait(_CLOSE)  # when full, the worker sees _closing once drained
             except queue.Full:
                 pass
+            self._wake.set()
         self._thread.join(CLOSE_TIMEOUT if timeout is None else timeout)
         finished = not self._thread.is_alive()
         if finished:  # one still writing stays registered: the exit handler gives it its time
@@ -250,19 +258,31 @@ class RunWriter:
         done.wait(min(timeout, FLUSH_TIMEOUT))
 
     # -- worker side ----------------------------------------------------------------------
+    def _next(self) -> Any:
+        """The next queued item; when there is none, sleep until woken or POLL_SECONDS have
+        passed, then look again. The worker is not woken by every ``put``: it drains records in
+        batches, so that it takes the GIL from the training thread a few times a second, not at
+        every step."""
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._serve_flush_request()  # drained: all that was queued before the signal is held
+        self._wake.wait(max(0.01, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush))))
+        self._wake.clear()
+        try:
+            return self._queue.get_nowait()
+        except queue.Empty:  # drained: a close requested without the sentinel, or the timer
+            due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
+            return _CLOSE if self._closing else (_FLUSH if due else None)
+
     def _work(self) -> None:
         while True:
-            timeout = max(0.05, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush)))
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:  # drained: a close requested without the sentinel, or the timer
-                due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
-                item = _CLOSE if self._closing else (_FLUSH if due else None)
+            item = self._next()
             if item is _CLOSE:
                 self._guarded(lambda: self._write_segment(final=True))
                 self._finished = True
                 return
-            self._serve_flush_request()
             if isinstance(item, _Sync):
                 if self._pending.rows:
                     self._guarded(lambda: self._write_segment(final=False))
@@ -276,8 +296,8 @@ class RunWriter:
             self._guarded(lambda: self._add(item))
 
     def _serve_flush_request(self) -> None:
-        """A signal handler asked for what is held to be written (checked between records too, so
-        a busy queue does not hold it up)."""
+        """A signal handler asked for what is held to be written (checked whenever the queue is
+        drained: the handler holds up the training thread, so nothing more is queued)."""
         request = self._flush_request
         if request is None:
             return

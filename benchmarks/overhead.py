@@ -10,6 +10,7 @@ and the extra GPU memory. Prints a table and writes JSON.
 
     python benchmarks/overhead.py                         # CPU, bf16 autocast, small GPT
     python benchmarks/overhead.py --device cuda --size gpt2   # GPT-2-small-like, fp16, batch 8x1024
+    python benchmarks/overhead.py --variants plain,hf-debug,detect-anomaly --steps 20 --blocks 1
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ from ampdoctor.demo import TinyGPT  # causal attention via is_causal: no -inf ma
 SIZES = {  # layers, d_model, heads, context, batch, vocab
     "small": (4, 256, 4, 128, 8, 512),
     "gpt2": (12, 768, 12, 1024, 8, 50257),
+    "gpt2-medium": (24, 1024, 16, 1024, 8, 50257),
+    "tiny": (1, 16, 2, 8, 2, 32),  # smoke tests of the scripts, not a measurement
 }
+# plain comes first: every ratio is to plain's step, so it is measured with any selection of the others.
+VARIANTS = ["plain", "ampdoctor:steps", "ampdoctor:params", "ampdoctor:full", "ampdoctor:full-every10",
+            "hf-debug", "detect-anomaly"]
 
 
 @dataclass
@@ -108,14 +114,14 @@ def _sync(device):
 def measure(args) -> dict:
     device = args.device
     dtype = torch.float16 if device == "cuda" else torch.bfloat16
-    names = ["plain", "ampdoctor:steps", "ampdoctor:params", "ampdoctor:full", "ampdoctor:full-every10",
-             "detect-anomaly"]
+    names = [n for n in VARIANTS if n == "plain" or n in (args.variants or VARIANTS)]
     skipped_variants = {}
-    try:
-        import transformers.debug_utils  # noqa: F401
-        names.insert(-1, "hf-debug")
-    except ImportError as exc:
-        skipped_variants["hf-debug"] = f"transformers is not installed ({exc})"
+    if "hf-debug" in names:
+        try:
+            import transformers.debug_utils  # noqa: F401
+        except ImportError as exc:
+            names.remove("hf-debug")
+            skipped_variants["hf-debug"] = f"transformers is not installed ({exc})"
     workdir = Path(tempfile.mkdtemp(prefix="ampdoctor-bench-"))
     times: dict[str, list[float]] = {name: [] for name in names}
     written: dict[str, int] = {name: 0 for name in names}
@@ -219,9 +225,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps per block")
     parser.add_argument("--blocks", type=int, default=4,
                         help="the rounds are split into blocks, each with freshly built variants")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=None,
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (plain is always measured); "
+                             "default: all")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.size = args.size or ("gpt2" if args.device == "cuda" else "small")
+    if unknown := set(args.variants or ()) - set(VARIANTS):
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     result = measure(args)
     print(f"{result['device']} ({result['dtype']}), {args.size}: {result['model']['parameters'] / 1e6:.1f} M "
           f"parameters, batch {result['model']['batch']}x{result['model']['context']}, {args.steps} alternating "

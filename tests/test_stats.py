@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from unittest import mock
+import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from ampdoctor import stats as stats_module
 from ampdoctor.formats import BFLOAT16, FLOAT16, FLOAT32, float_format
-from ampdoctor.stats import HostStats, light_stats, peaks, tensor_stats
+from ampdoctor.stats import ALGORITHMS, HostStats, light_stats, peaks, tensor_stats
 
 MIN_EXP, BINS = -56, 64
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -83,23 +88,26 @@ def _check(got: HostStats, i: int, ref: dict) -> None:
         assert got.l2[i] == pytest.approx(np.float32(ref["l2"]), rel=1e-5, abs=1e-45)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @settings(max_examples=150, deadline=None)
 @given(scaled_tensors())
-def test_per_tensor_stats_match_float64_reference(case):
+def test_per_tensor_stats_match_float64_reference(algorithm, case):
     tensors, scale, amp = case
     inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
     got = HostStats.from_device(tensor_stats(tensors, inv_scale=inv, subnormal_below=amp.smallest_normal,
-                                             hist_min_exp=MIN_EXP, hist_bins=BINS))
+                                             hist_min_exp=MIN_EXP, hist_bins=BINS, algorithm=algorithm))
     for i, t in enumerate(tensors):
         _check(got, i, reference(t, scale, amp))
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @settings(max_examples=60, deadline=None)
 @given(scaled_tensors())
-def test_whole_model_stats_are_the_total_of_per_tensor_stats(case):
+def test_whole_model_stats_are_the_total_of_per_tensor_stats(algorithm, case):
     tensors, scale, amp = case
     inv = torch.tensor(1.0 / scale)
-    kw = dict(inv_scale=inv, subnormal_below=amp.smallest_normal, hist_min_exp=MIN_EXP, hist_bins=BINS)
+    kw = dict(inv_scale=inv, subnormal_below=amp.smallest_normal, hist_min_exp=MIN_EXP, hist_bins=BINS,
+              algorithm=algorithm)
     per = HostStats.from_device(tensor_stats(tensors, **kw)).total()
     whole = HostStats.from_device(tensor_stats(tensors, per_tensor=False, **kw))
     _check(whole, 0, reference(torch.cat([t.reshape(-1) for t in tensors]), scale, amp))
@@ -108,13 +116,15 @@ def test_whole_model_stats_are_the_total_of_per_tensor_stats(case):
     np.testing.assert_array_equal(per.hist, whole.hist)
 
 
-def test_chunking_splits_large_tensors_without_changing_results(monkeypatch):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_chunking_splits_large_tensors_without_changing_results(monkeypatch, algorithm):
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(37, generator=gen) * 1e-3, torch.randn(5, 7, generator=gen),
+    tensors = [torch.randn(37, generator=gen) * 1e-3, torch.randn(5, 7, generator=gen), torch.zeros(0),
                torch.tensor([0.0, math.inf, math.nan, 1e-30])]
-    kw = dict(inv_scale=torch.tensor(1.0 / 1024), subnormal_below=FLOAT16.smallest_normal)
+    kw = dict(inv_scale=torch.tensor(1.0 / 1024), subnormal_below=FLOAT16.smallest_normal, algorithm=algorithm)
     expected = HostStats.from_device(tensor_stats(tensors, **kw))
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 6)  # tensors span chunks, chunks mix slots
+    # tensors span chunks, chunks mix slots
+    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS" if algorithm == "accelerator" else "CPU_CHUNK_ELEMENTS", 6)
     got = HostStats.from_device(tensor_stats(tensors, layouts=stats_module.SlotLayouts(), **kw))
     for field in HostStats.__dataclass_fields__:
         np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
@@ -143,13 +153,22 @@ def test_empty_input_is_rejected():
         tensor_stats([], inv_scale=None, subnormal_below=1.0)
 
 
+# The host algorithm's paths: small tensors grouped (also over several groups), large ones alone.
+LIGHT_VARIANTS = {"host": {}, "host-groups-of-16": {"HOST_GROUP_ELEMENTS": 16},
+                  "host-all-large": {"HOST_SMALL_BELOW": 1}, "accelerator": {}}
+
+
+@pytest.mark.parametrize("variant", sorted(LIGHT_VARIANTS))
 @settings(max_examples=100, deadline=None)
 @given(scaled_tensors())
-def test_light_stats_are_the_peak_and_norm(case):
+def test_light_stats_are_the_peak_and_norm(variant, case):
     """Peak magnitude (NaN if a NaN is held, else inf if an inf) and L2 norm, unscaled."""
     tensors, scale, _ = case
+    algorithm = variant.split("-")[0]
     inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
-    got = HostStats.of(light_stats(tensors, inv_scale=inv))
+    patch = LIGHT_VARIANTS[variant]
+    with mock.patch.multiple(stats_module, **patch) if patch else contextlib.nullcontext():
+        got = HostStats.of(light_stats(tensors, inv_scale=inv, algorithm=algorithm))
     assert got.light and got.hist.shape == (len(tensors), 0)
     for i, t in enumerate(tensors):
         values = t.double().abs().numpy().ravel()
@@ -164,8 +183,13 @@ def test_light_stats_are_the_peak_and_norm(case):
             assert math.isinf(got.l2[i])
         elif norm / float(inv) > 3.4e38:  # the scaled norm is beyond float32 (it is unscaled after)
             assert math.isinf(got.l2[i]) or got.l2[i] == pytest.approx(norm, rel=1e-5)
-        else:  # CPU: exact to float32 rounding, also where squares under- or overflow float32
+        elif algorithm == "host":  # exact to float32 rounding, also where squares under- or overflow float32
             assert got.l2[i] == pytest.approx(norm, rel=1e-5, abs=1e-44)
+        elif values.max() > 1.8e19:  # accelerator: float32 squares, as documented
+            assert math.isinf(got.l2[i]) or got.l2[i] == pytest.approx(norm, rel=1e-5)
+        else:  # squares below ~1e-45 vanish (documented); the rest counts
+            low = math.sqrt(float(np.sum(values[values >= 1e-22] ** 2))) * float(inv)
+            assert low * (1 - 1e-5) - 1e-44 <= got.l2[i] <= norm * (1 + 1e-5) + 1e-44
 
 
 def test_light_total_keeps_a_lower_bound_of_the_norm():
@@ -178,31 +202,177 @@ def test_light_total_keeps_a_lower_bound_of_the_norm():
     assert math.isnan(HostStats.of(light_stats(tensors, inv_scale=None)).total().amax[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_peaks_see_nan_and_inf(dtype):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_peaks_see_nan_and_inf(dtype, algorithm):
+    large = torch.full((stats_module.HOST_SMALL_BELOW,), -3.0, dtype=dtype)  # reduced on its own by "host"
+    large[7] = math.nan
     tensors = [torch.tensor([1.0, -2.0, 0.5], dtype=dtype), torch.tensor([1.0, math.nan, -math.inf], dtype=dtype),
-               torch.tensor([-math.inf, 7.0], dtype=dtype)]
-    got = peaks(tensors)
+               torch.tensor([-math.inf, 7.0], dtype=dtype), torch.zeros(0, dtype=dtype), large, large.abs().nan_to_num()]
+    got = peaks(tensors, algorithm=algorithm)
     assert got.dtype == torch.float32 and got[0] == 2.0 and torch.isnan(got[1]) and torch.isinf(got[2])
+    assert got[3] == 0 and torch.isnan(got[4]) and got[5] == 3.0
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("magnitude", [1e-42, 1e-30, 1.0, 1e25, 1e36])
-def test_full_norm_has_no_float32_overflow_or_underflow(magnitude):
-    """The full statistics' sum of squares is float32 partial sums rescaled by a power of two:
-    neither squares beyond float32 (1e25**2) nor subnormal squares (1e-30**2) are lost."""
+def test_full_norm_has_no_float32_overflow_or_underflow(magnitude, algorithm):
+    """The full statistics' sum of squares is float32 partial sums rescaled by a power of two
+    (host) or float64 sums (accelerator): neither squares beyond float32 (1e25**2) nor subnormal
+    squares (1e-30**2) are lost."""
     values = torch.tensor([magnitude, -magnitude / 2, magnitude / 4, 0.0] * 3000, dtype=torch.float32)
-    got = HostStats.from_device(tensor_stats([values], inv_scale=None, subnormal_below=FLOAT16.smallest_normal))
+    got = HostStats.from_device(tensor_stats([values], inv_scale=None, subnormal_below=FLOAT16.smallest_normal,
+                                             algorithm=algorithm))
     expected = np.linalg.norm(values.double().numpy())
     assert got.l2[0] == pytest.approx(np.float32(expected), rel=2e-5)  # float32 partial sums
 
 
+@pytest.mark.parametrize("pairs", [500, 5000])  # 1000 elements: grouped; 10000: alone
 @pytest.mark.parametrize("magnitude", [1e-42, 7.7e-31, 1e-20, 1e-16, 1.0, 1e16, 1e25])
-def test_light_norm_of_tiny_and_huge_gradients(magnitude):
+def test_light_norm_of_tiny_and_huge_gradients(magnitude, pairs):
     """The CPU light norm is right where float32 squares underflow or overflow (torch's own norm,
     and a plain dot product, gave 0 for 7.7e-31: found by hypothesis in a fresh environment)."""
-    values = torch.tensor([magnitude, -magnitude / 3] * 500, dtype=torch.float32)
+    values = torch.tensor([magnitude, -magnitude / 3] * pairs, dtype=torch.float32)
     got = HostStats.of(light_stats([values, values[:1].clone()], inv_scale=None))
     for i, t in enumerate([values, values[:1]]):
         expected = np.linalg.norm(t.double().numpy())
         assert got.l2[i] == pytest.approx(np.float32(expected), rel=1e-5)
         assert got.amax[i] == np.float32(magnitude)
+
+
+# -- the accelerator algorithm on the CPU and on fake CUDA tensors ---------------------------------
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from host_cost import OpCounter  # noqa: E402
+from test_device_paths import FORBIDDEN  # noqa: E402
+
+
+
+def _small_tensors(n, gen, dtype=torch.float16):
+    return [(torch.randn(3, 5, generator=gen) * 1e-3).to(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_light_stats_dispatch_the_same_ops_for_10_or_200_tensors(algorithm):
+    gen = torch.Generator().manual_seed(0)
+    counts = []
+    for n in (10, 200):
+        tensors = _small_tensors(n, gen)
+        with OpCounter() as counter:
+            light_stats(tensors, inv_scale=torch.tensor(2.0**-10), algorithm=algorithm)
+        counts.append(counter.total)
+    assert counts[0] == counts[1] and counts[0] <= 24, counts
+
+
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_full_stats_accelerator_launches_grow_with_chunks_not_tensors(per_tensor):
+    """1-D tensors: the zero lines of 2-D ones are a few launches per tensor (sampled steps only)."""
+    gen = torch.Generator().manual_seed(0)
+    totals = []
+    for n in (10, 200):
+        tensors = [t.reshape(-1) for t in _small_tensors(n, gen)]
+        with OpCounter() as counter:
+            tensor_stats(tensors, inv_scale=torch.tensor(2.0**-10), per_tensor=per_tensor,
+                         subnormal_below=FLOAT16.smallest_normal, algorithm="accelerator")
+        totals.append(counter.launches)
+    assert totals[0] == totals[1] and totals[0] < 40, totals
+
+
+@pytest.mark.parametrize("per_tensor", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_accelerator_algorithm_on_fake_cuda_never_syncs(dtype, per_tensor):
+    """FakeTensorMode fakes CUDA tensors on a CPU-only build and raises on data-dependent host
+    reads; the op audit also keeps out the ops that are nondeterministic on CUDA (float atomics)
+    or that raise under ``torch.use_deterministic_algorithms(True)``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layouts = stats_module.SlotLayouts()
+    with FakeTensorMode(), OpCounter() as counter:
+        tensors = [torch.randn(n, device="cuda").to(dtype) for n in (7, 0, 300, 5)]
+        inv = torch.full((), 2.0**-16, device="cuda")
+        light = light_stats(tensors, inv_scale=inv)
+        full = tensor_stats(tensors, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor,
+                            layouts=layouts)
+        top = peaks(tensors)
+    slots = len(tensors) if per_tensor else 1
+    assert light.peaks.device.type == "cuda" and light.peaks.shape == (4,) and top.shape == (4,)
+    assert full.counts.shape == (slots * stats_module._STRIDE,) and full.amax.shape == (slots,)
+    assert full.amin_code.dtype == torch.int32 and full.sumsq.dtype == torch.float64
+    assert not FORBIDDEN & set(counter.ops), FORBIDDEN & set(counter.ops)
+
+
+def test_accelerator_algorithm_is_deterministic_and_allowed_in_deterministic_mode():
+    gen = torch.Generator().manual_seed(3)
+    tensors = _small_tensors(40, gen, torch.float32) + [torch.randn(1000, generator=gen)]
+    kw = dict(inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal, algorithm="accelerator")
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [HostStats.from_device(tensor_stats(tensors, **kw)) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for field in HostStats.__dataclass_fields__:
+        np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field))
+
+
+class LiveBytes(OpCounter):
+    """The peak bytes of storages created by dispatched ops and still referenced (views of
+    ``inputs`` are not new storage)."""
+
+    def __init__(self, inputs=()) -> None:
+        super().__init__()
+        self.inputs = {t.untyped_storage().data_ptr() for t in inputs}
+        self.live: dict[int, list] = {}  # storage pointer -> [bytes, live tensor objects]
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.inputs:
+            return
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [t.untyped_storage().nbytes(), 0]
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_accelerator_temporaries_stay_near_16_bytes_per_element(monkeypatch, dtype):
+    """Issue 17: the old scatter algorithm held ~64 bytes per element at its peak (256 MiB per
+    2**22-element chunk, during unscale_)."""
+    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 1 << 16)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen).to(dtype) for n in [1000] * 40 + [30_000, 70_000]]
+    with LiveBytes(tensors) as tracker:
+        tensor_stats(tensors, inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal,
+                     algorithm="accelerator")
+    per_element = tracker.peak / (1 << 16)
+    assert 8 < per_element <= 16, per_element
+
+
+def test_layouts_of_a_large_model_are_all_cached():
+    """GPT-2-XL's gradients make 193 chunk layouts; the old cache held 64 and cleared itself when
+    full, so every full-statistics step missed (each miss a synchronous copy)."""
+    layouts = stats_module.SlotLayouts()
+    chunks = [tuple((slot, 10 * k, 10) for k, slot in enumerate(range(i, i + 3))) for i in range(193)]
+    first = [layouts.get(torch.device("cpu"), c) for c in chunks]
+    again = [layouts.get(torch.device("cpu"), c) for c in chunks]
+    assert layouts.misses == 193 and all(a[0] is b[0] for a, b in zip(first, again))
+    small = stats_module.SlotLayouts(max_entries=2)
+    for c in (chunks[0], chunks[1], chunks[0], chunks[2], chunks[0]):  # least recently used goes first
+        small.get(torch.device("cpu"), c)
+    assert small.misses == 3
