@@ -276,7 +276,7 @@ class Recorder:
         self._handled_anomaly = start_step - 1  # the last anomalous step whose window was written
         # Whether torch's step() ran each optimizer this iteration (a step pre-hook): torch reads
         # found_inf on the host for it anyway, so a skip is known before the scalars' copy lands.
-        self._step_hooks: dict[int, Any] = {}
+        self._step_hooks: dict[int, tuple] = {}  # id(optimizer) -> (weak reference to it, hook handle)
         self._optimizers_ran: set[int] = set()
         self._skipped_on_host = False
         self._scaler_enabled = scaler.is_enabled()
@@ -384,7 +384,7 @@ class Recorder:
 
     def _remove_hooks(self) -> None:
         self._remove_sniff()
-        for handle in self._step_hooks.values():
+        for _, handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks.clear()
         if self._taps is not None:
@@ -461,8 +461,11 @@ class Recorder:
         if id(optimizer) in self._observed:
             return
         self._observed.add(id(optimizer))
-        if id(optimizer) not in self._step_hooks:
-            self._step_hooks[id(optimizer)] = optimizer.register_step_pre_hook(ModuleHook(optimizer, self._optimizer_ran))
+        if not self._watched(optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            # (an optimizer that never ran Optimizer.__init__ takes no hooks: its skips are read
+            # from the device, a step later)
+            handle = optimizer.register_step_pre_hook(ModuleHook(optimizer, self._optimizer_ran))
+            self._step_hooks[id(optimizer)] = (weakref.ref(optimizer), handle)
         detailed = self._detailed_step()
         per_tensor = self._per_tensor_step()
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
@@ -484,30 +487,38 @@ class Recorder:
         ``p.grad``: host work per tensor is a few attribute reads, not a Python loop of lookups."""
         dense, others = self._gradient_plan(optimizer)
         groups: dict[tuple, tuple[list, np.ndarray, list]] = {}
+        rest = list(others)
         for key, (names, numels, params) in dense.items():
             grads = [p.grad for p in params]
             usable = [g is not None and not g.is_sparse for g in grads]
             if all(usable):
                 groups[key] = (names, numels, grads)
                 continue
-            others = others + [(n, p) for n, p, ok in zip(names, params, usable) if not ok]
+            rest.extend((n, p) for n, p, ok in zip(names, params, usable) if not ok)
             kept = [i for i, ok in enumerate(usable) if ok]
             if kept:
                 groups[key] = ([names[i] for i in kept], numels[kept], [grads[i] for i in kept])
-        for name, grad in self._named_grads(others):
-            key = (grad.device, grad.dtype)
-            names, numels, tensors = groups.get(key, ([], np.zeros(0, np.int64), []))
-            groups[key] = (names + [name], np.append(numels, grad.numel()), tensors + [grad])
+        added: dict[tuple, tuple[list, list, list]] = {}
+        for name, grad in self._named_grads(rest):
+            names, numels, tensors = added.setdefault((grad.device, grad.dtype), ([], [], []))
+            names.append(name)
+            numels.append(grad.numel())
+            tensors.append(grad)
+        for key, (names, numels, tensors) in added.items():
+            old_names, old_numels, old_tensors = groups.get(key, ([], np.zeros(0, np.int64), []))
+            groups[key] = (old_names + names, np.concatenate([old_numels, numels]).astype(np.int64),
+                           old_tensors + tensors)
         return groups
 
     def _gradient_plan(self, optimizer: torch.optim.Optimizer):
         """``(dense, others)``: the plain parameters grouped by (device, dtype) as ``(names,
         numels, params)``, and the ``(name, parameter)`` of the rest (DTensor shards, sparse
-        parameters, empty ones), built once per set of parameters."""
+        parameters, empty ones), built once per set of parameters; checked against the
+        parameters on detailed steps (``p.data = ...`` may change a parameter's dtype or size)."""
         named = self._named_parameters(optimizer)
         key = ("plan", id(optimizer), len(named))
         cached = self._param_group_cache.get(key)
-        if cached is not None and cached[0] is named:
+        if cached is not None and cached[0] is named and (not self._detailed_step() or _plan_holds(cached[1][0])):
             return cached[1]
         dense: dict[tuple, tuple[list, list, list]] = {}
         others = []
@@ -522,6 +533,11 @@ class Recorder:
         plan = ({k: (names, np.array(numels, np.int64), params) for k, (names, numels, params) in dense.items()}, others)
         self._param_group_cache[key] = (named, plan)
         return plan
+
+    def _watched(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether our step pre-hook is on ``optimizer`` (not on a freed one that had its id)."""
+        entry = self._step_hooks.get(id(optimizer))
+        return entry is not None and entry[0]() is optimizer
 
     def _optimizer_ran(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         self._optimizers_ran.add(id(optimizer))
@@ -538,7 +554,7 @@ class Recorder:
         loss is non-finite, the steps skip (parameters unchanged) and the escalated steps check
         them; ``postmortem`` traces them back over the skipped steps to the step that wrote them."""
         self._stepped = True
-        if (self._scaler_enabled and id(optimizer) in self._step_hooks and id(optimizer) not in self._optimizers_ran
+        if (self._scaler_enabled and id(optimizer) not in self._optimizers_ran and self._watched(optimizer)
                 and not getattr(optimizer, "_step_supports_amp_scaling", False)):
             self._skipped_on_host = True  # torch's step() saw found_inf and did not run the optimizer
         if not self.options.check_params or id(optimizer) in self._params_checked:
@@ -833,6 +849,9 @@ class Recorder:
         if record.event is not None:
             record.event.synchronize()
         if isinstance(record, FlightRecord):
+            for light in record.steps:  # their scalars came with their own step's copies
+                if light.event is not None:
+                    light.event.synchronize()
             return [self._light_rows(s, record.rank) for s in record.steps], True
         if isinstance(record, ParamRecord):
             scale, skipped, _, _ = _read_scalars(record.scalars)
@@ -895,6 +914,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     reductions on the DTensor itself would be collectives), else ``t``."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
+def _plan_holds(dense: dict) -> bool:
+    """Whether every planned parameter still has its group's device and dtype and its size."""
+    return all(p.device == device and p.dtype == dtype and p.numel() == n
+               for (device, dtype), (_, numels, params) in dense.items() for p, n in zip(params, numels.tolist()))
 
 
 def _read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None, float | None]:
@@ -1036,16 +1061,19 @@ def _env_run_id() -> str | None:
 def broadcast_device(model: torch.nn.Module | None) -> torch.device | None:
     """The device this rank's collectives use: NCCL's default is ``torch.cuda.current_device()``,
     which is GPU 0 on every rank that never called ``set_device``. The model's device when it is
-    on an accelerator; else, under NCCL, ``LOCAL_RANK``'s GPU; else the backend's default (None)."""
+    on a GPU; else, under NCCL, ``LOCAL_RANK``'s GPU when this process sees that many (one GPU per
+    process through ``CUDA_VISIBLE_DEVICES`` sees only GPU 0); else the backend's default (None)."""
     if model is not None:
         for p in model.parameters():
-            if p.device.type != "cpu":
+            if p.device.type == "cuda":
                 return p.device
-            break
+            break  # on the CPU or meta (deferred initialization): no help
     dist = torch.distributed
     if dist.get_backend() == "nccl":
         local = os.environ.get("LOCAL_RANK")
-        return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+        if local is not None and int(local) < torch.cuda.device_count():
+            return torch.device("cuda", int(local))
+        return torch.device("cuda", torch.cuda.current_device())
     return None
 
 

@@ -85,7 +85,8 @@ class DeviceStats:
     counts: torch.Tensor     # int64 [slots * _STRIDE]: codes, n_zero, n_below_normal
     amax: torch.Tensor       # float32 [slots]: the largest finite magnitude
     amin_code: torch.Tensor  # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
-    sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values
+    sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values (host: float32
+                             # partial sums rescaled by a power of two; accelerator: float64 sums)
     line_zeros: torch.Tensor  # int64 [slots]: zeros lying in an all-zero row or column (zero_line_elements)
     hist_min_exp: int
     bins: int
@@ -551,25 +552,27 @@ def _grouped_stats(tensors, per_tensor, n_slots, inv_scale, threshold, counts, l
         counts.index_add_(0, key.add_(below).add_(zero), ones)
         del key, base, zero, below
         torch.nan_to_num_(work, nan=0.0, posinf=0.0)
-        parts = torch.split(work, [n for _, _, n in segments])
+        lengths = [n for _, _, n in segments]
+        parts = torch.split(work, lengths)
         maxima = torch._foreach_max(parts)
         norms = torch._foreach_norm(parts, 2, dtype=torch.float64)
-        # The smallest nonzero: max of the negated values, zeros pushed to -inf.
-        work.masked_fill_(work == 0, float("inf")).neg_()
-        minima = torch._foreach_max(parts)
+        # The smallest nonzero as a maximum of non-negative integers (CUDA's _foreach_max before
+        # torch 2.11 padded its partial maxima with 0, wrong for negative values): on the bits,
+        # _ABS_MASK - ((bits - 1) & _ABS_MASK) is largest for the smallest nonzero, 0 for zeros.
+        bits = work.view(torch.int32)
+        bits.sub_(1).bitwise_and_(_ABS_MASK).neg_().add_(_ABS_MASK)
+        minima = torch._foreach_max(torch.split(bits, lengths))
         per_segment.extend((slot, top, low, norm) for (slot, _, _), top, low, norm in zip(segments, maxima, minima, norms))
     return _per_slot(per_segment, n_slots, device)
 
 
 def _per_slot(per_segment, n_slots: int, device: torch.device):
-    """(amax, amin_code, sumsq) per slot from the segments' (max, -min, norm), combining the
-    segments of a tensor split over chunks; a slot with no segment (an empty tensor) has none."""
+    """(amax, amin_code, sumsq) per slot from the segments' (max, _ABS_MASK - amin_code, norm),
+    combining the segments of a tensor split over chunks; a slot with no segment (an empty
+    tensor) has no nonzero element."""
     by_slot: list[list[int]] = [[] for _ in range(n_slots)]
     for i, (slot, _, _, _) in enumerate(per_segment):
         by_slot[slot].append(i)
-    zero32 = torch.zeros((), dtype=torch.float32, device=device)
-    none_min = torch.full((), float("-inf"), dtype=torch.float32, device=device)
-    zero64 = torch.zeros((), dtype=torch.float64, device=device)
 
     def combine(column: int, empty: torch.Tensor, reduce):
         out = []
@@ -578,11 +581,10 @@ def _per_slot(per_segment, n_slots: int, device: torch.device):
             out.append(empty if not values else values[0] if len(values) == 1 else reduce(torch.stack(values)))
         return torch.stack(out)
 
-    amax = combine(1, zero32, torch.amax)
-    low = -combine(2, none_min, torch.amax)  # +inf where no nonzero finite element
-    sumsq = combine(3, zero64, lambda norms: norms.square().sum().sqrt()).square()
-    # (bits - 1) of the smallest nonzero; +inf (none) lands exactly on _NO_AMIN.
-    return amax, low.view(torch.int32) - 1, sumsq
+    amax = combine(1, torch.zeros((), dtype=torch.float32, device=device), torch.amax)
+    amin_code = _ABS_MASK - combine(2, torch.zeros((), dtype=torch.int32, device=device), torch.amax)
+    norms = combine(3, torch.zeros((), dtype=torch.float64, device=device), lambda n: n.square().sum().sqrt())
+    return amax, amin_code, norms.square()
 
 
 def _rescaled_norm(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:

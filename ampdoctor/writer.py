@@ -155,6 +155,7 @@ class RunWriter:
         self._finished = False     # the worker returned normally
         self._sync: threading.Event | None = None  # the last sync's, while pending
         self._flush_request: threading.Event | None = None  # set by the worker once flushed (signal path)
+        self._flush_countdown: int | None = None  # records to take before serving it
         self._pid = os.getpid()    # a forked child inherits this object, not its thread
         self._close_lock = threading.Lock()
         self.rows_written = 0
@@ -263,11 +264,12 @@ class RunWriter:
         passed, then look again. The worker is not woken by every ``put``: it drains records in
         batches, so that it takes the GIL from the training thread a few times a second, not at
         every step."""
+        self._serve_flush_request(drained=False)
         try:
             return self._queue.get_nowait()
         except queue.Empty:
             pass
-        self._serve_flush_request()  # drained: all that was queued before the signal is held
+        self._serve_flush_request(drained=True)
         self._wake.wait(max(0.01, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush))))
         self._wake.clear()
         try:
@@ -295,13 +297,19 @@ class RunWriter:
                 continue
             self._guarded(lambda: self._add(item))
 
-    def _serve_flush_request(self) -> None:
-        """A signal handler asked for what is held to be written (checked whenever the queue is
-        drained: the handler holds up the training thread, so nothing more is queued)."""
-        request = self._flush_request
-        if request is None:
+    def _serve_flush_request(self, *, drained: bool) -> None:
+        """A signal handler asked for what is held to be written: served once the records queued
+        when the worker saw the request are held (the queue drained, or that many taken since:
+        training off the main thread may keep queueing)."""
+        if self._flush_request is None:
             return
-        self._flush_request = None
+        if not drained:
+            if self._flush_countdown is None:
+                self._flush_countdown = self._queue.qsize()
+            if self._flush_countdown > 0:
+                self._flush_countdown -= 1
+                return
+        request, self._flush_request, self._flush_countdown = self._flush_request, None, None
         if self._pending.rows:
             self._guarded(lambda: self._write_segment(final=False))
         request.set()

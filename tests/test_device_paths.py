@@ -340,10 +340,149 @@ class mode_of_meta:
 def test_the_run_id_broadcast_uses_the_rank_s_own_gpu(monkeypatch):
     """Issue 17, item 7: under NCCL broadcast_object_list defaults to current_device(), GPU 0 on
     every rank that never called set_device."""
-    model = MLP().to("meta")
-    assert broadcast_device(model) == torch.device("meta")
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "nccl")
+    from ampdoctor import recorder
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert broadcast_device(MLP()) == torch.device("cuda", 3)
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    assert broadcast_device(MLP().to("meta")) == torch.device("cuda", 3)  # deferred init: not meta
+    monkeypatch.setenv("LOCAL_RANK", "5")  # one GPU per process: LOCAL_RANK is not its ordinal
+    assert broadcast_device(None) == torch.device("cuda", 0)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
     assert broadcast_device(None) is None
+    # ... and the broadcast is given it
+    monkeypatch.delenv("AMPDOCTOR_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, device=None: seen.update(device=device))
+    monkeypatch.setattr(recorder, "broadcast_device", lambda model: torch.device("cuda", 2))
+    recorder._shared_run_id(2, None, MLP())
+    assert seen == {"device": torch.device("cuda", 2)}
+
+
+# -- the host-seen skip: optimizers of every kind ----------------------------------------------------
+def _skips_run(path, make_optimizers, *, enabled=True, inject_at=3, steps=8):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizers = make_optimizers(model)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=path, every=100, escalate_steps=2,
+                                  init_scale=2.0**10, enabled=enabled)
+    scaler.recorder._copies = HostCopies(lambda device: LateEvent(device, lag=3), fence_host=True)
+    for i, (x, y) in enumerate(batches(steps)):
+        scaler.scale(mse(model, x, y)).backward()
+        if i == inject_at:
+            model.fc2.weight.grad[0, 0] = math.inf
+        for opt in optimizers:
+            scaler.step(opt)
+        scaler.update()
+        for opt in optimizers:
+            opt.zero_grad()
+    scaler.close()
+    return _detailed_steps(read_run(path).frame)
+
+
+class NoInit(torch.optim.SGD):
+    """An optimizer wrapper that never runs Optimizer.__init__ (torch's PostLocalSGDOptimizer is one)."""
+
+    def __init__(self, inner):  # noqa: super-init-not-called
+        self.inner = inner
+
+    param_groups = property(lambda self: self.inner.param_groups)
+    state = property(lambda self: self.inner.state)
+    defaults = property(lambda self: self.inner.defaults)
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
+
+
+def test_the_host_seen_skip_with_two_optimizers_a_hookless_one_and_a_disabled_scaler(tmp_path):
+    two = lambda m: [torch.optim.SGD(m.fc1.parameters(), lr=1e-3), torch.optim.SGD(m.fc2.parameters(), lr=1e-3)]
+    # fc2's optimizer skips at step 3 (its found_inf), fc1's runs: the step is anomalous, seen at once
+    assert _skips_run(tmp_path / "two.parquet", two) == [0, 4, 5]
+    # no hooks on it: the skip is read when its copy lands (lag 3), and recording goes on
+    hookless = lambda m: [NoInit(torch.optim.SGD(m.parameters(), lr=1e-3))]
+    assert _skips_run(tmp_path / "hookless.parquet", hookless) == [0, 7]
+    # a disabled scaler never skips: its optimizer always runs; nothing escalates
+    one = lambda m: [torch.optim.SGD(m.parameters(), lr=1e-3)]
+    assert _skips_run(tmp_path / "disabled.parquet", one, enabled=False, inject_at=-1) == [0]
+
+
+def test_a_new_optimizer_with_a_freed_one_s_id_is_watched(tmp_path):
+    """Our step hook is found by the optimizer itself, not by an id a freed optimizer had: a
+    stale entry made every step look skipped."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run.parquet", every=100, check_params=False)
+    rec = scaler.recorder
+    for x, y in batches(4):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)  # a new optimizer every step
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        del opt
+    assert rec._handled_anomaly < 0 and rec._escalate_until == 0
+    scaler.close()
+
+
+def test_fake_cuda_skip_seen_on_the_host_dumps_the_flight_window_and_escalates():
+    """The anomaly path on CUDA tensors: a skip torch's step() saw (here: a fake that skips at
+    step 2) writes the flight recorder's light steps, copied under a fence, and details the next."""
+    mode = FakeTensorMode()
+    model = _fake(Split([torch.device("cuda:0")]), mode, lambda name: torch.device("cuda:0"))
+    records = []
+    with mode:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with mock.patch("torch.cuda.is_available", return_value=True):
+            scaler = ampdoctor.GradScaler("cuda", model=model, path="unused.parquet", level="full", every=100,
+                                          escalate_steps=2, strict=True, amp_dtype=torch.float16)
+        rec = scaler.recorder
+        rec.writer.close()
+        rec.writer.put = lambda record: records.append(record) or True
+        rec.writer.sync = lambda: True
+        rec._copies = HostCopies(lambda device: LateEvent(device, lag=10**9))
+        step = [0]
+        scaler._maybe_opt_step = lambda optimizer, state, *a, **k: None if step[0] == 2 else optimizer.step(*a, **k)
+        for step[0] in range(5):
+            with torch.no_grad():
+                loss = model(torch.randn(8, 16, device="cuda")).float().square().mean()
+            scaler.scale(loss)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        rec._pending_checks.clear()
+        scaler.close()
+    (flight,) = [r for r in records if isinstance(r, FlightRecord)]
+    assert [e.step for e in flight.steps] == [1, 2] and flight.steps[0].peaks.device.type == "cpu"
+    assert {e.device for e in flight.event._events} == {torch.device("cuda:0")}
+    detailed = [r.step for r in records if isinstance(r, StepRecord) and isinstance(r.groups[0].stats, DeviceStats)]
+    assert detailed == [0, 3, 4]
+
+
+def test_a_parameter_whose_dtype_changes_mid_run_is_regrouped(tmp_path):
+    """The gradient grouping is planned once; a model converted after a few steps (``p.data``
+    replaced) is planned again at the next detailed step, so its rows say the new dtype."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    path = tmp_path / "run.parquet"
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=path, every=2, amp_dtype=torch.float16)
+    for i, (x, y) in enumerate(batches(6)):
+        if i == 3:
+            model.double()
+        x, y = (x, y) if i < 3 else (x.double(), y.double())
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    scaler.close()
+    rows = read_run(path).frame.query("kind == 'param_grad'")
+    assert set(rows.query("step < 3").dtype) == {"float32"} and set(rows.query("step >= 4").dtype) == {"float64"}

@@ -376,3 +376,19 @@ def test_layouts_of_a_large_model_are_all_cached():
     for c in (chunks[0], chunks[1], chunks[0], chunks[2], chunks[0]):  # least recently used goes first
         small.get(torch.device("cpu"), c)
     assert small.misses == 3
+
+
+def test_accelerator_algorithm_is_immune_to_the_zero_padded_foreach_max(monkeypatch):
+    """CUDA's _foreach_max before torch 2.11 padded the partial maxima of a tensor with fewer
+    chunks than the largest in the call with 0: right only for non-negative values. The
+    accelerator algorithm feeds it only those (a negated minimum read no amin at all)."""
+    real = torch._foreach_max
+    monkeypatch.setattr(torch, "_foreach_max", lambda ts: [m.clamp(min=0) for m in real(ts)])
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(70_000, generator=gen), torch.randn(100, generator=gen) * 1e-3, torch.zeros(5)]
+    kw = dict(inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal)
+    host = HostStats.from_device(tensor_stats(tensors, algorithm="host", **kw))
+    accelerator = HostStats.from_device(tensor_stats(tensors, algorithm="accelerator", **kw))
+    np.testing.assert_array_equal(accelerator.amin, host.amin)
+    np.testing.assert_array_equal(accelerator.amax, host.amax)
+    assert not np.isnan(host.amin[:2]).any() and np.isnan(host.amin[2])

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -357,6 +358,47 @@ def test_the_signal_path_takes_no_lock_the_interrupted_code_may_hold(run_path):
     writer._thread.join(5)
     assert not writer._thread.is_alive()
     assert _steps(run_path) == [0, 1, 2]  # once the lock is free the worker finishes the run
+
+
+def test_a_signal_flush_is_served_while_another_thread_keeps_training(run_path):
+    """Training off the main thread keeps queueing while the main thread's signal handler asks
+    for a flush: the worker serves it once the records queued when it saw the request are held,
+    not only when the queue drains (which may never happen)."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=run_path, flush_every=10_000, flush_seconds=3600)
+    writer = scaler.recorder.writer
+    _train(scaler, model, 3)
+    stop = threading.Event()
+
+    real = writer._materialize
+
+    def slow(record):  # the worker takes 2 ms a record ...
+        if record == "filler":
+            time.sleep(0.002)
+            return [], False
+        return real(record)
+
+    writer._materialize = slow
+
+    def keep_queueing():  # ... and gets one every millisecond: the queue never drains
+        while not stop.is_set():
+            writer.put("filler")
+            time.sleep(0.001)
+
+    producer = threading.Thread(target=keep_queueing, daemon=True)
+    producer.start()
+    try:
+        start = time.monotonic()
+        writer.flush_from_signal(timeout=5.0)
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        producer.join()
+    assert took < 2.0 and _steps(run_path) == [0, 1, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fillers left are taken as before: no failure
+        scaler.close()
 
 
 def test_a_failed_segment_leaves_no_open_file(run_path, monkeypatch):
