@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.run import read_run
+from ampdoctor.formats import FLOAT16
 from ampdoctor.reports.origins import find_origins
+from ampdoctor.run import read_run
+from ampdoctor.stats import HostStats, light_stats, tensor_stats
+from ampdoctor.transfer import HostCopies
 from models import MLP, DeepNet, batches, mse
 
 pytestmark = pytest.mark.cuda
@@ -102,3 +107,49 @@ def test_overflow_origin_on_cuda(run_path):
             opt.zero_grad()
     (o,) = find_origins(ampdoctor.load(run_path))
     assert o.step == 5 and o.detail == "light" and o.overflow.name == "blocks.1.inner.boom"
+
+
+def _mixed_tensors(dtype):
+    """A tensor of more than 64 Ki elements beside small ones (CUDA's _foreach_max before torch
+    2.11 got the small ones wrong for negative values), zeros, and non-finite values."""
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([math.inf, math.nan, 1e-30, -2.0, 0.0])
+    return [t.to(dtype) for t in (torch.randn(70_000, generator=gen), torch.randn(100, generator=gen) * 1e-3,
+                                  torch.zeros(5), special, torch.zeros(0))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_accelerator_statistics_on_cuda_equal_the_host_ones(dtype, per_tensor):
+    """Issue 17: the accelerator algorithm on a real GPU, also under deterministic algorithms
+    (scatter_reduce raised there), against the host algorithm on the same values."""
+    tensors = _mixed_tensors(dtype)
+    inv = torch.tensor(2.0**-10)
+    kw = dict(subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor)
+    host = HostStats.from_device(tensor_stats(tensors, inv_scale=inv, algorithm="host", **kw))
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            raw = tensor_stats([t.cuda() for t in tensors], inv_scale=inv.cuda(), **kw)
+            light = light_stats([t.cuda() for t in tensors], inv_scale=inv.cuda())
+        finally:
+            torch.use_deterministic_algorithms(False)
+        got = HostStats.from_device(raw.to_host(lambda t: t.cpu()))
+        for field in ("amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(host, field), err_msg=field)
+        np.testing.assert_allclose(got.l2, host.l2, rtol=1e-5)
+        expected = light_stats(tensors, inv_scale=inv, algorithm="host")
+        np.testing.assert_array_equal(light.peaks.cpu().numpy(), expected.peaks.numpy())
+        np.testing.assert_allclose(light.norms.cpu().numpy(), expected.norms.numpy(), rtol=1e-5)
+
+
+def test_fences_on_cuda_cover_every_source_device():
+    """Copies from every GPU land before their fence passes; events are blocking ones."""
+    copies = HostCopies()
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    sources = [torch.full((1 << 20,), float(i + 1), device=d) for i, d in enumerate(devices)]
+    hosts = [copies.to_host(t) for t in sources]
+    fence = copies.seal()
+    assert len(fence._events) == len(devices)
+    fence.synchronize()
+    assert all(h.is_pinned() and bool((h == i + 1).all()) for i, h in enumerate(hosts))
