@@ -23,186 +23,35 @@ on CUDA usually one step later.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import functools
 import math
 import os
-import signal
 import threading
 import time
 import uuid
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
 
-from . import __version__
+from . import __version__, shutdown
 from .errors import RecorderError
 from .formats import dtype_name, float_format
-from .hooks import ModuleCall, ModuleFilter, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_compiled
-from .schema import HIST_BINS, HIST_MIN_EXP, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
-from .stats import (DeviceStats, HostStats, LightStats, SlotLayouts, extremes, light_stats, peak_magnitudes,
-                    peaks, tensor_stats)
-from .transfer import Fence, HostCopies
-from .writer import RunWriter, close_all_writers
+from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_compiled
+from .options import RecordOptions, default_path
+from .records import (FlightRecord, GroupRecord, LightStep, ParamPeaks, ParamRecord, StepRecord, TapObservation,
+                      merge_params, read_scalars)
+from .rows import materialize
+from .run_identity import env_run_id, rank_and_world, shared_run_id
+from .schema import META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
+from .stats import DeviceStats, SlotLayouts, extremes, light_stats, peak_magnitudes, peaks, tensor_stats
+from .transfer import HostCopies
+from .writer import RunWriter
 
-LEVELS = ("steps", "params", "full")
-# Full statistics of the gradients every 100 steps; of the module taps (about ten times the
-# elements of the gradients in a transformer) every 1000, unless ``every`` is set explicitly.
-DEFAULT_EVERY = 100
-DEFAULT_MODULE_EVERY = 1000
 MAX_TAP_ROWS_PER_STEP = 100_000  # beyond this (a long forward-only loop between steps) rows are dropped
-
-
-@dataclass(frozen=True)
-class RecordOptions:
-    """The keyword-only recording options of :class:`ampdoctor.GradScaler` and :func:`ampdoctor.wrap`."""
-
-    path: str | os.PathLike | None = None
-    level: str = "params"
-    every: int | None = None          # None: DEFAULT_EVERY
-    module_every: int | None = None   # None: ``every`` when given, else DEFAULT_MODULE_EVERY
-    strict: bool = False
-    flush_every: int = 1000
-    flush_seconds: float = 60.0
-    amp_dtype: torch.dtype | str | None = None
-    hist_min_exp: int = HIST_MIN_EXP
-    hist_bins: int = HIST_BINS
-    queue_size: int = 256
-    rank: int | None = None
-    modules: ModuleFilter = None
-    flight_steps: int = 32
-    escalate_steps: int = 20
-    scale_floor: float | None = 1.0
-    check_params: bool | str = True  # True: sampled steps, escalated steps and the end; "always"; False
-    ranks: Any = None  # the ranks that record (an int or an iterable of ints); None: all
-
-    @property
-    def gradient_interval(self) -> int:
-        return self.every or DEFAULT_EVERY
-
-    @property
-    def module_interval(self) -> int:
-        return self.module_every or self.every or DEFAULT_MODULE_EVERY
-
-    def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
-        for name in ("every", "module_every"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        for name in ("flush_every", "hist_bins", "queue_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("flight_steps", "escalate_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if self.scale_floor is not None and not self.scale_floor > 0:
-            raise ValueError(f"scale_floor must be > 0 or None, got {self.scale_floor!r}")
-        if not self.flush_seconds > 0:
-            raise ValueError(f"flush_seconds must be > 0, got {self.flush_seconds!r}")
-        if self.amp_dtype is not None:
-            float_format(self.amp_dtype)  # ValueError for a non-float dtype
-        if self.check_params not in (True, False, "always"):
-            raise ValueError(f"check_params must be True, False or 'always', got {self.check_params!r}")
-        if self.ranks is not None:
-            ranks = (self.ranks,) if isinstance(self.ranks, int) else self.ranks
-            try:
-                ranks = tuple(ranks)
-            except TypeError:
-                raise TypeError(f"ranks must be an int, an iterable of ints or None, got {self.ranks!r}") from None
-            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
-                raise ValueError(f"ranks must be non-negative ints, got {self.ranks!r}")
-            object.__setattr__(self, "ranks", ranks)
-
-
-def default_path() -> str:
-    return f"ampdoctor-{time.strftime('%Y%m%d-%H%M%S')}.parquet"
-
-
-@dataclass
-class GroupRecord:
-    """The observed gradients of one (device, dtype) group of one optimizer."""
-
-    names: list[str]
-    dtype: str
-    numels: np.ndarray
-    stats: DeviceStats | LightStats   # full statistics on detailed steps, else light ones
-
-
-@dataclass
-class TapObservation:
-    """One tensor seen by a module tap: an ``output`` or a ``grad_output``."""
-
-    kind: str
-    call: ModuleCall
-    order: int
-    dtype: str
-    numel: int
-    stats: DeviceStats | tuple | None  # full statistics, or the (min, max) pair of a light step
-
-
-@dataclass
-class StepRecord:
-    step: int
-    rank: int
-    per_tensor: bool
-    amp_dtype: str
-    scalars: torch.Tensor | None      # float32 [scale, found_inf, loss, has_loss, param_peak, has_params]
-    groups: list[GroupRecord] = field(default_factory=list)
-    taps: list[TapObservation] = field(default_factory=list)  # detailed steps only
-    params: "ParamPeaks | None" = None  # parameter peaks after optimizer.step()
-    event: Fence | None = None        # to wait on before reading (None: nothing to wait for)
-
-
-@dataclass
-class ParamPeaks:
-    """``max |w|`` of each parameter after ``optimizer.step()`` (NaN/inf when it holds one)."""
-
-    names: list[str]
-    numels: list[int]
-    peaks: torch.Tensor               # float32 [len(names)], on the device until copied
-
-
-@dataclass
-class ParamRecord:
-    """A parameter check outside an iteration (at the end of the run): ``param`` rows only,
-    carrying the scale and skipped flag of ``step``, the step that left the parameters so."""
-
-    step: int
-    rank: int
-    amp_dtype: str
-    scalars: torch.Tensor             # host scalars of ``step`` (see StepRecord)
-    params: ParamPeaks
-    event: Fence | None = None
-
-
-@dataclass
-class LightStep:
-    """A step's module peaks in the flight recorder: ``peaks[i]`` belongs to ``taps[i]``
-    (gradients still scaled by the step's scale)."""
-
-    step: int
-    taps: list[TapObservation]
-    peaks: torch.Tensor               # float32 [len(taps)], on the device until dumped
-    scalars: torch.Tensor | None      # the step's host scalars (see StepRecord)
-    event: Fence | None = None        # the step's copy fence (its scalars)
-
-
-@dataclass
-class FlightRecord:
-    """The flight recorder's steps, written out after an anomaly."""
-
-    rank: int
-    steps: list[LightStep]
-    event: Fence | None = None
 
 
 def _guarded(method):
@@ -280,8 +129,8 @@ class Recorder:
         self._optimizers_ran: set[int] = set()
         self._skipped_on_host = False
         self._scaler_enabled = scaler.is_enabled()
-        self.rank, self.world_size = _rank_and_world(options.rank)
-        self.run_id = run_id or _env_run_id() or uuid.uuid4().hex
+        self.rank, self.world_size = rank_and_world(options.rank)
+        self.run_id = run_id or env_run_id() or uuid.uuid4().hex
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
         # over skipped steps to the step that wrote it: check after every step.
@@ -305,11 +154,11 @@ class Recorder:
             if self._amp_dtype is None:
                 self._sniff_handle = inner.register_forward_pre_hook(ModuleHook(inner, self._sniff_autocast))
         self.writer = RunWriter(
-            self.path, metadata=self._metadata, materialize=self._materialize, rank=self.rank,
+            self.path, metadata=self._metadata, materialize=functools.partial(materialize, hist_bins=options.hist_bins),
+            rank=self.rank,
             hist_bins=options.hist_bins, flush_every=options.flush_every,
             flush_seconds=options.flush_seconds, queue_size=options.queue_size)
-        _install_sigterm_handler()
-        _open_recorders.add(self)
+        shutdown.opened(self)
         self._check_path()
         self._plan_step()
 
@@ -356,7 +205,7 @@ class Recorder:
                 self.fail(exc)
         self._remove_hooks()
         self.active = False
-        _open_recorders.discard(self)
+        shutdown.closed(self)
         finished = self.writer.close(timeout)
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
@@ -576,7 +425,7 @@ class Recorder:
         step = self.step if self._stepped else self.step - 1
         if not self.options.check_params or step <= self._last_param_check or self._last_scalars is None:
             return
-        params = _merge_params([p for opt in list(self._param_optimizers) for p in self._check_params(opt)])
+        params = merge_params([p for opt in list(self._param_optimizers) for p in self._check_params(opt)])
         if params is None:
             return
         params.peaks = self._copies.to_host(params.peaks)
@@ -687,7 +536,7 @@ class Recorder:
         mode = self._tap_mode
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._per_tensor_step(),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
-                            taps=taps if mode == "full" else [], params=_merge_params(self._params))
+                            taps=taps if mode == "full" else [], params=merge_params(self._params))
         light = None
         if mode == "light" and taps:
             tops = peak_magnitudes([t.stats for t in taps], taps[0].stats[0].device)
@@ -792,7 +641,7 @@ class Recorder:
             self._checked_until = step + 1
             if scalars is not None:
                 self._last_scalars = scalars
-            scale, skipped, loss, params = _read_scalars(scalars)
+            scale, skipped, loss, params = read_scalars(scalars)
             floor = self.options.scale_floor
             below = floor is not None and scalars is not None and scale < floor
             fatal = ((loss is not None and not math.isfinite(loss))
@@ -843,72 +692,6 @@ class Recorder:
             "record.dropped_steps": str(self.dropped_steps),
         }
 
-    def _materialize(self, record: StepRecord | FlightRecord | ParamRecord):
-        """Rows of one record, as ``([(columns, n_rows), ...], anomaly)``: a step row, one row
-        per observed gradient, one per module observation; or a flight record's light rows."""
-        if record.event is not None:
-            record.event.synchronize()
-        if isinstance(record, FlightRecord):
-            for light in record.steps:  # their scalars came with their own step's copies
-                if light.event is not None:
-                    light.event.synchronize()
-            return [self._light_rows(s, record.rank) for s in record.steps], True
-        if isinstance(record, ParamRecord):
-            scale, skipped, _, _ = _read_scalars(record.scalars)
-            common = dict(step=record.step, rank=record.rank, scale=scale, skipped=skipped)
-            block = _param_rows(record.params, common, float_format(record.amp_dtype).max)
-            return [block], not np.isfinite(block[0]["amax"][0])
-        scale, skipped, loss, param_peak = _read_scalars(record.scalars)
-        parts = [HostStats.of(g.stats) for g in record.groups]
-        if parts:
-            merged = HostStats.concat(parts)
-            total = merged.total()
-        else:
-            merged, total = None, _empty_stats(self.options.hist_bins)
-        names = [""]
-        dtypes = [record.amp_dtype]
-        numels = [int(sum(g.numels.sum() for g in record.groups))]
-        stats = [total]
-        if record.per_tensor and merged is not None:
-            for g in record.groups:
-                names.extend(g.names)
-                dtypes.extend([g.dtype] * len(g.names))
-                numels.extend(g.numels.tolist())
-            stats.append(merged)
-        kinds = ["step"] + ["param_grad"] * (len(names) - 1)
-        common = dict(step=record.step, rank=record.rank, scale=scale, skipped=skipped)
-        blocks = [_block(**common, kinds=kinds, names=names, dtypes=dtypes, numels=numels,
-                         stats=_stat_columns(HostStats.concat(stats)), losses=[loss])]
-        if record.taps:
-            taps = record.taps
-            blocks.append(_block(
-                **common, kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
-                dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps],
-                stats=_stat_columns(HostStats.concat([HostStats.of(t.stats) for t in taps])),
-                **_call_columns(taps)))
-        if record.params is not None:
-            blocks.append(_param_rows(record.params, common, float_format(record.amp_dtype).max))
-        anomaly = (skipped or (loss is not None and not np.isfinite(loss))
-                   or (param_peak is not None and not np.isfinite(param_peak)))
-        return blocks, anomaly
-
-    def _light_rows(self, light: LightStep, rank: int) -> tuple[dict[str, np.ndarray], int]:
-        """A flight-recorder step: only ``amax`` is measured, as the peak magnitude (NaN or inf
-        when the tensor held one); the other statistics are null."""
-        scale, skipped, _, _ = _read_scalars(light.scalars)
-        taps = light.taps
-        peaks = light.peaks.numpy().astype(np.float32)
-        inv = np.float32(1.0 / np.float64(scale))  # as torch's unscale_: fp32 1/scale
-        grads = np.array([t.kind == "grad_output" for t in taps])
-        with np.errstate(over="ignore", invalid="ignore"):
-            amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
-        stats = _light_columns(amax)
-        return _block(step=light.step, rank=rank, scale=scale, skipped=skipped,
-                      kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
-                      dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps], stats=stats,
-                      **_call_columns(taps))
-
-
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local shard of a DTensor (FSDP2 parameters and gradients;
     reductions on the DTensor itself would be collectives), else ``t``."""
@@ -920,100 +703,6 @@ def _plan_holds(dense: dict) -> bool:
     """Whether every planned parameter still has its group's device and dtype and its size."""
     return all(p.device == device and p.dtype == dtype and p.numel() == n
                for (device, dtype), (_, numels, params) in dense.items() for p, n in zip(params, numels.tolist()))
-
-
-def _read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None, float | None]:
-    """(scale, skipped, loss or None, largest parameter peak or None) from a host copy of
-    before_update's snapshot."""
-    if scalars is None:
-        return 1.0, False, None, None
-    scale, found_inf, loss, has_loss, peak, has_params = (float(v) for v in scalars.tolist())
-    return scale, found_inf > 0, (loss if has_loss else None), (peak if has_params else None)
-
-
-def _merge_params(parts: list[ParamPeaks]) -> ParamPeaks | None:
-    """One :class:`ParamPeaks` for the iteration (every optimizer and device), on one device."""
-    parts = [p for p in parts if p.names]
-    if not parts:
-        return None
-    device = parts[0].peaks.device
-    return ParamPeaks([n for p in parts for n in p.names], [k for p in parts for k in p.numels],
-                      torch.cat([p.peaks.to(device, non_blocking=True) for p in parts]))
-
-
-def _param_rows(params: ParamPeaks, common: dict, amp_max: float) -> tuple[dict[str, np.ndarray], int]:
-    """``param`` rows: one for all parameters together (name ""), plus one per parameter that
-    is not finite or is beyond the AMP format's max (autocast would cast it to inf). Light rows:
-    only ``amax``, the peak ``max |w|`` (NaN or inf when it held one)."""
-    peaks = params.peaks.numpy().astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        bad = np.flatnonzero(~np.isfinite(peaks) | (peaks > amp_max))
-    with np.errstate(invalid="ignore"):
-        total = np.float32(np.nan) if np.isnan(peaks).any() else peaks.max()
-    names = [""] + [params.names[i] for i in bad]
-    numels = [int(sum(params.numels))] + [params.numels[i] for i in bad]
-    amax = np.concatenate([[total], peaks[bad]]).astype(np.float32)
-    n = len(names)
-    return _block(**common, kinds=["param"] * n, names=names, dtypes=["float32"] * n, numels=numels,
-                  stats=_light_columns(amax))
-
-
-def _objects(n: int, values=None) -> np.ndarray:
-    """An object column of ``n`` entries (None where ``values`` has none)."""
-    out = np.full(n, None, dtype=object)
-    if values is not None:
-        for i, v in enumerate(values):
-            out[i] = v
-    return out
-
-
-def _light_columns(amax: np.ndarray, l2: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The statistics columns of light rows: the peak magnitude as ``amax`` (NaN or inf when the
-    tensor held one), the norm where measured; the rest null."""
-    nulls = np.full(len(amax), None, dtype=object)
-    return {"amax": amax, "amin": nulls, "l2": nulls if l2 is None else l2, "n_zero": nulls,
-            "n_subnormal": nulls, "n_nan": nulls, "n_inf": nulls, "hist": nulls, "n_zero_lines": nulls}
-
-
-def _stat_columns(s: HostStats) -> dict[str, np.ndarray]:
-    if s.light:
-        return _light_columns(s.amax, s.l2)
-    return {"amax": s.amax, "amin": s.amin, "l2": s.l2, "n_zero": s.n_zero,
-            "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf, "hist": s.hist,
-            "n_zero_lines": _objects(len(s.amax), [None if np.isnan(v) else int(v) for v in s.n_zero_lines])}
-
-
-def _call_columns(taps: list[TapObservation]) -> dict[str, list]:
-    return {"orders": [t.order for t in taps], "calls": [t.call.call for t in taps],
-            "parents": [t.call.parent for t in taps], "inputs": [list(t.call.inputs) for t in taps]}
-
-
-def _block(*, step: int, rank: int, scale: float, skipped: bool, kinds: list[str], names: list[str],
-           dtypes: list[str], numels: list[int], stats: dict[str, np.ndarray], losses=None,
-           orders=None, calls=None, parents=None, inputs=None) -> tuple[dict[str, np.ndarray], int]:
-    """One block of rows with every column of the schema."""
-    n = len(kinds)
-    return {
-        "step": np.full(n, step, dtype=np.int64),
-        "rank": np.full(n, rank, dtype=np.int32),
-        "kind": np.array(kinds, dtype=object),
-        "name": np.array(names, dtype=object),
-        "order": _objects(n, orders),
-        "dtype": np.array(dtypes, dtype=object),
-        "numel": np.array(numels, dtype=np.int64),
-        "scale": np.full(n, scale, dtype=np.float32),
-        "skipped": np.full(n, skipped, dtype=bool),
-        "loss": _objects(n, losses),
-        **stats,
-        "call": _objects(n, calls),
-        "parent": _objects(n, parents),
-        "inputs": _objects(n, inputs),
-    }, n
-
-
-def _empty_stats(bins: int) -> HostStats:
-    return HostStats(np.zeros(1, np.float32), np.full(1, np.nan, np.float32), np.zeros(1, np.float32),
-                     *(np.zeros(1, np.int64) for _ in range(4)), np.zeros((1, bins), np.int32))
 
 
 def _tensors(outputs) -> Iterable[torch.Tensor]:
@@ -1043,122 +732,10 @@ def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, op
     with ``torch.distributed`` initialized (and no such variable), every rank must create its
     scaler, recording or not. It happens once, at construction. Rank 0's id is new, except when
     ``start_step`` > 0 (a resumed run): then it continues the latest run already at the path."""
-    rank, world_size = _rank_and_world(options.rank)
-    run_id = _shared_run_id(world_size, options.path if start_step > 0 else None, model)
+    rank, world_size = rank_and_world(options.rank)
+    run_id = shared_run_id(world_size, options.path if start_step > 0 else None, model)
     if options.ranks is not None and rank not in options.ranks:
         return None
     return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
 
 
-def _env_run_id() -> str | None:
-    for key in ("AMPDOCTOR_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(key)
-        if value and value != "none":  # torchrun's default rendezvous id is "none"
-            return value
-    return None
-
-
-def broadcast_device(model: torch.nn.Module | None) -> torch.device | None:
-    """The device this rank's collectives use: NCCL's default is ``torch.cuda.current_device()``,
-    which is GPU 0 on every rank that never called ``set_device``. The model's device when it is
-    on a GPU; else, under NCCL, ``LOCAL_RANK``'s GPU when this process sees that many (one GPU per
-    process through ``CUDA_VISIBLE_DEVICES`` sees only GPU 0); else the backend's default (None)."""
-    if model is not None:
-        for p in model.parameters():
-            if p.device.type == "cuda":
-                return p.device
-            break  # on the CPU or meta (deferred initialization): no help
-    dist = torch.distributed
-    if dist.get_backend() == "nccl":
-        local = os.environ.get("LOCAL_RANK")
-        if local is not None and int(local) < torch.cuda.device_count():
-            return torch.device("cuda", int(local))
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def _shared_run_id(world_size: int, resume_at: str | os.PathLike | None = None,
-                   model: torch.nn.Module | None = None) -> str | None:
-    # Resuming: the latest run at the path, unless the user named the run (torchrun makes a new
-    # rendezvous id at every launch, so its id cannot say which run is resumed).
-    explicit = os.environ.get("AMPDOCTOR_RUN_ID") or None
-    env = _env_run_id()
-    if explicit is not None or (resume_at is None and env is not None):
-        return explicit or env
-    dist = torch.distributed
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        box = [(_latest_run_id(resume_at) or env or uuid.uuid4().hex) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0, device=broadcast_device(model))
-        return box[0]
-    shared = _latest_run_id(resume_at) or env
-    if shared is None and world_size > 1:
-        warnings.warn(f"ampdoctor: {world_size} ranks but torch.distributed is not initialized and no "
-                      f"AMPDOCTOR_RUN_ID is set: the ranks cannot agree on one run id, so each will be read as a "
-                      f"run of its own; create the scaler after init_process_group, or set AMPDOCTOR_RUN_ID",
-                      RuntimeWarning, stacklevel=4)
-    return shared
-
-
-def _latest_run_id(path: str | os.PathLike | None) -> str | None:
-    """The id of the latest run at ``path`` (the one a resumed run continues), or None."""
-    if path is None:
-        return None
-    from .run import read_run  # the reader, lazily: recording does not need it otherwise
-    try:
-        return read_run(path).metadata.get("run.id") or None
-    except Exception:  # noqa: BLE001 - no run there (or none readable): a new run
-        return None
-
-
-def _rank_and_world(rank: int | None) -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return (dist.get_rank() if rank is None else rank), dist.get_world_size()
-    return (int(os.environ.get("RANK", 0)) if rank is None else rank,
-            int(os.environ.get("WORLD_SIZE", 1)))
-
-
-_sigterm_installed = False
-_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-
-
-EXIT_TIMEOUT = 30.0  # seconds each wait at exit may take: a hung disk must not hang the exit
-
-
-@atexit.register  # registered after the writer module's handler, so it runs before it
-def _close_open_recorders() -> None:
-    """At interpreter exit (training is over, also after an exception): finish every open run
-    as ``close()`` would, final parameter check included, with bounded waits. Never raises: one
-    run's failure (even with ``strict=True``) must not keep the others from closing."""
-    for recorder in list(_open_recorders):
-        try:
-            recorder.close(EXIT_TIMEOUT, at_exit=True)
-        except BaseException as exc:  # noqa: BLE001
-            warnings.warn(f"ampdoctor: closing {recorder.path} at exit failed ({type(exc).__name__}: {exc})",
-                          RuntimeWarning)
-
-
-def _install_sigterm_handler() -> None:
-    """Flush every open run on SIGTERM, then let the previous handler (or the default) act."""
-    global _sigterm_installed
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum, frame):
-        # No lock here: the interrupted frame may hold any of them (a queue's, ours). A program
-        # that handles SIGTERM itself may train on: its runs are flushed, not finished (exit or
-        # close() finishes them); otherwise the default action ends the process: finish them.
-        dies = not callable(previous) and previous != signal.SIG_IGN
-        close_all_writers(from_signal=True, timeout=EXIT_TIMEOUT, finish=dies)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    try:
-        signal.signal(signal.SIGTERM, on_sigterm)
-        _sigterm_installed = True
-    except (ValueError, OSError):  # not allowed here (embedded interpreter); atexit still flushes
-        pass

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .recorder import Recorder, RecordOptions, recorder_for
+from .options import RecordOptions
+from .recorder import Recorder, recorder_for
 
 _RECORDER = "_ampdoctor_recorder"
 _STEP_KEY = "ampdoctor.step"
@@ -147,7 +148,7 @@ class GradScaler(_Recording, torch.amp.GradScaler):
     """Drop-in for :class:`torch.amp.GradScaler` that records a run.
 
     Positional and keyword arguments are torch's. The keyword-only options are those of
-    :class:`ampdoctor.recorder.RecordOptions` plus ``model`` (for parameter names; without it,
+    :class:`ampdoctor.options.RecordOptions` plus ``model`` (for parameter names; without it,
     parameters are named ``group{g}.param{i}``). An unpickled or deep-copied instance does not
     record (two writers must not share one run); :func:`wrap` it to record again.
     """

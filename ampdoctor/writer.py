@@ -28,7 +28,6 @@ which warns once, or raises it when the user asked for ``strict=True``.
 
 from __future__ import annotations
 
-import atexit
 import os
 import queue
 import threading
@@ -361,7 +360,8 @@ class RunWriter:
 
 
 def close_all_writers(*, from_signal: bool = False, timeout: float | None = None, finish: bool = True) -> None:
-    """Close every open writer (at interpreter exit and on SIGTERM), within ``timeout``
+    """Close every open writer (at interpreter exit, from :mod:`ampdoctor.shutdown`, and on
+    SIGTERM), within ``timeout``
     (:data:`CLOSE_TIMEOUT`) seconds in all. ``from_signal``: take no lock (see
     :meth:`RunWriter.close_from_signal`); with ``finish=False`` only write what is queued and
     keep recording (the program handles the signal itself and may go on)."""
@@ -389,5 +389,3 @@ def _snapshot_without_lock() -> list["RunWriter"]:
             continue
     return []
 
-
-atexit.register(close_all_writers)

@@ -26,7 +26,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import ampdoctor
-from ampdoctor.recorder import FlightRecord, StepRecord, broadcast_device
+from ampdoctor.records import FlightRecord, StepRecord
+from ampdoctor.run_identity import broadcast_device
 from ampdoctor.run import read_run
 from ampdoctor.stats import DeviceStats, LightStats
 from ampdoctor.transfer import Fence, HostCopies
@@ -340,7 +341,7 @@ class mode_of_meta:
 def test_the_run_id_broadcast_uses_the_rank_s_own_gpu(monkeypatch):
     """Issue 17, item 7: under NCCL broadcast_object_list defaults to current_device(), GPU 0 on
     every rank that never called set_device."""
-    from ampdoctor import recorder
+    from ampdoctor import run_identity
     dist = torch.distributed
     monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -359,8 +360,8 @@ def test_the_run_id_broadcast_uses_the_rank_s_own_gpu(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, device=None: seen.update(device=device))
-    monkeypatch.setattr(recorder, "broadcast_device", lambda model: torch.device("cuda", 2))
-    recorder._shared_run_id(2, None, MLP())
+    monkeypatch.setattr(run_identity, "broadcast_device", lambda model: torch.device("cuda", 2))
+    run_identity.shared_run_id(2, None, MLP())
     assert seen == {"device": torch.device("cuda", 2)}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..recorder import RecordOptions
+from ..options import RecordOptions
 from ..scaler import unwrap, wrap
 
 __all__ = ["require", "CallbackRun"]

@@ -1,0 +1,77 @@
+"""Finishing runs when the process ends: at interpreter exit, and on SIGTERM.
+
+One exit handler closes the open recorders first (each finishes its run as ``close()`` would,
+final parameter check included), then every writer still open (one whose recorder is gone);
+every wait is bounded by :data:`EXIT_TIMEOUT`. The SIGTERM handler takes no lock (the
+interrupted frame may hold any of them) and then lets the previous handler, or the default, act.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+from .writer import close_all_writers
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
+
+EXIT_TIMEOUT = 30.0  # seconds each wait at exit may take: a hung disk must not hang the exit
+
+_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_sigterm_installed = False
+
+
+def opened(recorder: "Recorder") -> None:
+    """``recorder`` has a run open: finish it at exit, flush it on SIGTERM."""
+    _open_recorders.add(recorder)
+    _install_sigterm_handler()
+
+
+def closed(recorder: "Recorder") -> None:
+    _open_recorders.discard(recorder)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """At interpreter exit (training is over, also after an exception): finish every open run,
+    recorders first, then writers left without one. Never raises: one run's failure (even with
+    ``strict=True``) must not keep the others from closing."""
+    for recorder in list(_open_recorders):
+        try:
+            recorder.close(EXIT_TIMEOUT, at_exit=True)
+        except BaseException as exc:  # noqa: BLE001
+            warnings.warn(f"ampdoctor: closing {recorder.path} at exit failed ({type(exc).__name__}: {exc})",
+                          RuntimeWarning)
+    close_all_writers(timeout=EXIT_TIMEOUT)
+
+
+def _install_sigterm_handler() -> None:
+    """Flush every open run on SIGTERM, then let the previous handler (or the default) act."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        # No lock here: the interrupted frame may hold any of them (a queue's, ours). A program
+        # that handles SIGTERM itself may train on: its runs are flushed, not finished (exit or
+        # close() finishes them); otherwise the default action ends the process: finish them.
+        dies = not callable(previous) and previous != signal.SIG_IGN
+        close_all_writers(from_signal=True, timeout=EXIT_TIMEOUT, finish=dies)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+        _sigterm_installed = True
+    except (ValueError, OSError):  # not allowed here (embedded interpreter); atexit still flushes
+        pass
