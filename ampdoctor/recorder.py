@@ -4,28 +4,20 @@ The scaler calls, per iteration, ``observe_loss`` (from ``scale``), ``observe_gr
 ``unscale_``/``step``, before torch unscales, so the values are the scaled ones backward produced),
 ``observe_params`` (after ``step``), ``before_update`` and ``after_update``. None of them syncs:
 statistics stay on the device, ``after_update`` starts non-blocking copies into pinned memory,
-seals them with a fence (:mod:`ampdoctor.transfer`: an event per source device) and queues the
-record; the writer thread waits on the fence. Every method is guarded: an exception of ours warns
-once and stops recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
+seals them with a fence (:mod:`ampdoctor.transfer`) and queues the record
+(:mod:`ampdoctor.records`); the writer thread waits on the fence and builds rows
+(:mod:`ampdoctor.rows`). Every method is guarded: an exception of ours warns once and stops
+recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
 
-Module taps (``level="full"``, or an escalation) call ``observe_tap`` from forward and gradient
-hooks (:mod:`ampdoctor.hooks`). On module-sampled steps (every ``module_every`` steps) and the
-``escalate_steps`` after an anomaly each tapped tensor gets the full statistics; on the other steps it gets one
-reduction, its min and max (hence its peak magnitude), which is enough to see every non-finite value. The peaks of the last
-``flight_steps`` steps stay on the device (the flight recorder) and are written out only when an
-anomaly is seen: a skipped step, a non-finite loss, or the scale falling below ``scale_floor``.
-A skipped step is known on the host in the step itself when torch's ``step()`` read found_inf and
-did not run the optimizer (a step pre-hook tells whether it ran). Other anomalies (a non-finite
-loss or parameter, the scale floor, skips of fused optimizers, which decide on the device) are read
-from the pinned copy of each step's scalars once its fence has passed (``query()``, never a wait):
-on CUDA usually one step later.
+The rooms around it: what each step records (:mod:`ampdoctor.plan`), parameters named and grouped
+(:mod:`ampdoctor.parameters`), module taps (:mod:`ampdoctor.hooks`, calling ``observe_tap``),
+anomalies and the flight recorder (:mod:`ampdoctor.anomalies`), the run id and rank
+(:mod:`ampdoctor.run_identity`), and the end of the process (:mod:`ampdoctor.shutdown`).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import math
 import os
 import threading
 import time
@@ -41,7 +33,10 @@ from . import __version__, shutdown
 from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_compiled
+from .anomalies import AnomalyWatch
 from .options import RecordOptions, default_path
+from .parameters import ParameterIndex
+from .plan import StepPlan
 from .records import (FlightRecord, GroupRecord, LightStep, ParamPeaks, ParamRecord, StepRecord, TapObservation,
                       merge_params, read_scalars)
 from .rows import materialize
@@ -85,8 +80,6 @@ class Recorder:
         self.step = start_step
         self.path = os.fspath(options.path) if options.path is not None else default_path()
         self.device_type = torch.device(getattr(scaler, "_device", "cuda")).type
-        self._names: dict[int, str] = {}
-        self._optimizer_index: dict[int, int] = {}
         self._observed: set[int] = set()
         self._groups: list[GroupRecord] = []
         self._loss: torch.Tensor | None = None
@@ -94,15 +87,12 @@ class Recorder:
         self._params_checked: set[int] = set()
         self._param_optimizers: weakref.WeakSet = weakref.WeakSet()  # for the check at the end
         self._last_param_check = start_step - 1  # the last step whose parameter check was queued
-        self._last_scalars: torch.Tensor | None = None  # host scalars of the last checked step
         self._stepped = False  # an optimizer stepped in the iteration in progress (no update() yet)
         self._scaler_ref = weakref.ref(scaler)  # at exit: is this still the scaler's recorder?
-        self._param_group_cache: dict[tuple, tuple[list, list]] = {}
         self._layouts = SlotLayouts()
         self._copies = HostCopies()
         self._reported = False  # a failure has been warned about (or raised)
         self.dropped_steps = 0  # step records the writer could not take (its queue was full)
-        self._closing = False   # close() has begun
         self._sniff_handle = None
         self._amp_dtype = dtype_name(options.amp_dtype) if options.amp_dtype is not None else None
         # Module taps, the flight recorder and escalation.
@@ -113,16 +103,7 @@ class Recorder:
         self._warned_dropped = False
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
-        # Entries leave the flight recorder once their step and the F-1 steps after it are checked
-        # (fused optimizers do not sync in step(), so checks can lag); the cap bounds a lag that
-        # never ends (a disabled scaler that never syncs).
-        self._flight: collections.deque[LightStep] = collections.deque(maxlen=4 * options.flight_steps + 64)
-        self._checked_until = start_step  # steps below this have been checked for anomalies
-        self._pending_checks: collections.deque = collections.deque()  # (step, host scalars, event)
-        self._escalate_until = start_step       # steps below this are detailed (after an anomaly)
-        self._below_floor = False
-        self._last_anomaly = -2                 # the last anomalous step checked (a run of them syncs once)
-        self._handled_anomaly = start_step - 1  # the last anomalous step whose window was written
+        self._plan = StepPlan(options, start_step)
         # Whether torch's step() ran each optimizer this iteration (a step pre-hook): torch reads
         # found_inf on the host for it anyway, so a skip is known before the scalars' copy lands.
         self._step_hooks: dict[int, tuple] = {}  # id(optimizer) -> (weak reference to it, hook handle)
@@ -141,9 +122,10 @@ class Recorder:
             if hasattr(scaler, f"_{name}"):
                 meta[f"scaler.{name}"] = str(getattr(scaler, f"_{name}"))
         self._scaler_meta = meta
-        if model is not None:
-            inner = unwrap_compiled(model)
-            self._names = {id(p): clean_name(n) for n, p in inner.named_parameters()}
+        inner = unwrap_compiled(model) if model is not None else None
+        self._parameters = ParameterIndex(
+            {id(p): clean_name(n) for n, p in inner.named_parameters()} if inner is not None else {})
+        if inner is not None:
             if is_compiled(model):
                 if options.level == "full":
                     warnings.warn("ampdoctor: the model is compiled with torch.compile; module taps "
@@ -158,6 +140,9 @@ class Recorder:
             rank=self.rank,
             hist_bins=options.hist_bins, flush_every=options.flush_every,
             flush_seconds=options.flush_seconds, queue_size=options.queue_size)
+        self._anomalies = AnomalyWatch(self._plan, self.writer, self._copies, rank=self.rank,
+                                       flight_steps=options.flight_steps, scale_floor=options.scale_floor,
+                                       start_step=start_step)
         shutdown.opened(self)
         self._check_path()
         self._plan_step()
@@ -193,11 +178,11 @@ class Recorder:
         only, after training. ``at_exit``: the interpreter is exiting; the final parameter check
         runs only if this is still its scaler's recorder (an abandoned scaler's run must not
         describe parameters that another scaler went on training)."""
-        self._closing = True  # the close writes everything: anomalies found now need no sync of their own
+        self._anomalies.closing = True  # the close writes everything: anomalies found now need no sync of their own
         if self.active:
             try:
                 deadline = None if timeout is None else time.monotonic() + timeout
-                self._check_anomalies(wait=True, deadline=deadline)
+                self._anomalies.check(self.step, wait=True, deadline=deadline)
                 scaler = self._scaler_ref()
                 if not at_exit or (scaler is not None and getattr(scaler, "recorder", None) is self):
                     self._final_param_check()
@@ -219,12 +204,14 @@ class Recorder:
         """Continue the step numbering at ``step`` (a resumed or rolled-back run): the flight
         recorder and pending anomaly checks of the abandoned steps are dropped."""
         self.step = step
-        self._escalate_until = min(self._escalate_until, step)
-        self._handled_anomaly = min(self._handled_anomaly, step - 1)
-        self._flight.clear()
-        self._pending_checks.clear()
-        self._last_param_check, self._last_scalars, self._stepped = step - 1, None, False
+        self._plan.rewind(step)
+        self._anomalies.rewind(step)
+        self._last_param_check, self._stepped = step - 1, False
         self._plan_step()
+
+    def use_copies(self, copies: HostCopies) -> None:
+        """Copy to the host through ``copies`` from now on (tests: fences whose events complete late)."""
+        self._copies = self._anomalies.copies = copies
 
     def continue_run(self, run_id: str) -> None:
         """Record into the run ``run_id`` (a resumed run: its scaler's state_dict was loaded),
@@ -315,11 +302,12 @@ class Recorder:
             # from the device, a step later)
             handle = optimizer.register_step_pre_hook(ModuleHook(optimizer, self._optimizer_ran))
             self._step_hooks[id(optimizer)] = (weakref.ref(optimizer), handle)
-        detailed = self._detailed_step()
-        per_tensor = self._per_tensor_step()
+        detailed = self._plan.detailed(self.step)
+        per_tensor = self._plan.per_tensor(self.step)
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
-        for (device, dtype), (names, numels, tensors) in self._gradient_groups(optimizer).items():
+        groups = self._parameters.gradient_groups(optimizer, check=detailed)
+        for (device, dtype), (names, numels, tensors) in groups.items():
             inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
             if detailed:
                 stats = tensor_stats(tensors, inv_scale=inv, subnormal_below=below, per_tensor=per_tensor,
@@ -328,60 +316,6 @@ class Recorder:
             else:
                 stats = light_stats(tensors, inv_scale=inv)
             self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats))
-
-    def _gradient_groups(self, optimizer: torch.optim.Optimizer) -> dict[tuple, tuple[list, np.ndarray, list]]:
-        """This step's observable gradients of ``optimizer`` per (device, dtype): names, numels,
-        tensors. Dense gradients have their parameter's device, dtype and size (torch enforces
-        it), so their grouping is planned once per set of parameters and each step only reads
-        ``p.grad``: host work per tensor is a few attribute reads, not a Python loop of lookups."""
-        dense, others = self._gradient_plan(optimizer)
-        groups: dict[tuple, tuple[list, np.ndarray, list]] = {}
-        rest = list(others)
-        for key, (names, numels, params) in dense.items():
-            grads = [p.grad for p in params]
-            usable = [g is not None and not g.is_sparse for g in grads]
-            if all(usable):
-                groups[key] = (names, numels, grads)
-                continue
-            rest.extend((n, p) for n, p, ok in zip(names, params, usable) if not ok)
-            kept = [i for i, ok in enumerate(usable) if ok]
-            if kept:
-                groups[key] = ([names[i] for i in kept], numels[kept], [grads[i] for i in kept])
-        added: dict[tuple, tuple[list, list, list]] = {}
-        for name, grad in self._named_grads(rest):
-            names, numels, tensors = added.setdefault((grad.device, grad.dtype), ([], [], []))
-            names.append(name)
-            numels.append(grad.numel())
-            tensors.append(grad)
-        for key, (names, numels, tensors) in added.items():
-            old_names, old_numels, old_tensors = groups.get(key, ([], np.zeros(0, np.int64), []))
-            groups[key] = (old_names + names, np.concatenate([old_numels, numels]).astype(np.int64),
-                           old_tensors + tensors)
-        return groups
-
-    def _gradient_plan(self, optimizer: torch.optim.Optimizer):
-        """``(dense, others)``: the plain parameters grouped by (device, dtype) as ``(names,
-        numels, params)``, and the ``(name, parameter)`` of the rest (DTensor shards, sparse
-        parameters, empty ones), built once per set of parameters; checked against the
-        parameters on detailed steps (``p.data = ...`` may change a parameter's dtype or size)."""
-        named = self._named_parameters(optimizer)
-        key = ("plan", id(optimizer), len(named))
-        cached = self._param_group_cache.get(key)
-        if cached is not None and cached[0] is named and (not self._detailed_step() or _plan_holds(cached[1][0])):
-            return cached[1]
-        dense: dict[tuple, tuple[list, list, list]] = {}
-        others = []
-        for name, p in named:
-            if type(p) in (torch.Tensor, torch.nn.Parameter) and not p.is_sparse and p.numel():
-                names, numels, params = dense.setdefault((p.device, p.dtype), ([], [], []))
-                names.append(name)
-                numels.append(p.numel())
-                params.append(p)
-            else:
-                others.append((name, p))
-        plan = ({k: (names, np.array(numels, np.int64), params) for k, (names, numels, params) in dense.items()}, others)
-        self._param_group_cache[key] = (named, plan)
-        return plan
 
     def _watched(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether our step pre-hook is on ``optimizer`` (not on a freed one that had its id)."""
@@ -409,13 +343,14 @@ class Recorder:
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
         self._param_optimizers.add(optimizer)
-        if not (self._params_every_step or self._detailed_step()):
+        if not (self._params_every_step or self._plan.detailed(self.step)):
             return
         self._params_checked.add(id(optimizer))
         self._params.extend(self._check_params(optimizer))
 
     def _check_params(self, optimizer: torch.optim.Optimizer) -> list[ParamPeaks]:
-        return [ParamPeaks(names, numels, peaks(tensors)) for names, numels, tensors in self._param_groups(optimizer)]
+        return [ParamPeaks(names, numels, peaks(tensors))
+                for names, numels, tensors in self._parameters.param_groups(optimizer)]
 
     def _final_param_check(self) -> None:
         """At the end of the run: check the parameters as they are, unless the step that left
@@ -423,35 +358,16 @@ class Recorder:
         progress when an optimizer stepped in it but ``update()`` never came (training died in
         between); its row then carries the last recorded step's scale. After training: may sync."""
         step = self.step if self._stepped else self.step - 1
-        if not self.options.check_params or step <= self._last_param_check or self._last_scalars is None:
+        scalars = self._anomalies.last_scalars
+        if not self.options.check_params or step <= self._last_param_check or scalars is None:
             return
         params = merge_params([p for opt in list(self._param_optimizers) for p in self._check_params(opt)])
         if params is None:
             return
         params.peaks = self._copies.to_host(params.peaks)
         self._last_param_check = step
-        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, self._last_scalars, params,
+        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, scalars, params,
                                     self._copies.seal()))
-
-    def _param_groups(self, optimizer: torch.optim.Optimizer) -> list[tuple[list[str], list[int], list]]:
-        """``optimizer``'s parameters grouped by (device, dtype) and named, built once per set of
-        parameters (the name lookups and grouping are not redone every step)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        key = (id(optimizer), len(params))
-        cached = self._param_group_cache.get(key)
-        if cached is not None and all(a is b for a, b in zip(cached[0], params)):
-            return cached[1]
-        groups: dict[tuple, tuple[list, list, list]] = {}
-        for name, p in self._named_parameters(optimizer):
-            if p.is_sparse:
-                continue
-            local = local_tensor(p)
-            names, numels, tensors = groups.setdefault((local.device, local.dtype), ([], [], []))
-            names.append(name)
-            numels.append(local.numel())
-            tensors.append(local)  # the parameter itself (read under no_grad): a later p.data = ... shows
-        self._param_group_cache[key] = (params, list(groups.values()))
-        return self._param_group_cache[key][1]
 
     def _param_peak(self, device: torch.device) -> tuple[torch.Tensor, float]:
         """The largest parameter peak of the iteration on ``device`` (NaN if any is NaN), and
@@ -462,41 +378,6 @@ class Recorder:
         if not tops:
             return torch.zeros((), device=device), 0.0
         return torch.stack(tops).max(), 1.0
-
-    @staticmethod
-    def _named_grads(named_params: list[tuple[str, torch.Tensor]]):
-        """``(name, gradient)`` of each parameter with a nonempty gradient: this rank's shard of a
-        DTensor's (FSDP2), the stored values of a sparse one."""
-        for name, p in named_params:
-            grad = p.grad
-            if grad is None:
-                continue
-            if type(grad) is not torch.Tensor:
-                grad = local_tensor(grad)  # FSDP2: this rank's shard
-            if grad.is_sparse:
-                # Observed through the stored values. On the CPU coalesced first, so that
-                # duplicates are summed as the optimizer will see them; on an accelerator
-                # coalescing syncs (its size depends on the data), so an uncoalesced gradient
-                # is observed with its duplicate entries apart.
-                if not grad.is_coalesced() and grad.device.type == "cpu":
-                    grad = grad.coalesce()
-                grad = grad._values()
-            if grad.numel():  # FSDP1: a rank may hold no shard of a parameter
-                yield name, grad
-
-    def _named_parameters(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-        """``optimizer``'s parameters with their names, built once per set of parameters."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        key = ("named", id(optimizer), len(params))
-        cached = self._param_group_cache.get(key)
-        if cached is not None and all(a is b for a, (_, b) in zip(params, cached)):
-            return cached
-        k = self._optimizer_index.setdefault(id(optimizer), len(self._optimizer_index))
-        prefix = "" if k == 0 else f"optimizer{k}."
-        named = [(self._names.get(id(p)) or f"{prefix}group{g}.param{i}", p)
-                 for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
-        self._param_group_cache[key] = named
-        return named
 
     @_guarded
     def before_update(self, scaler: torch.amp.GradScaler) -> torch.Tensor | None:
@@ -534,7 +415,7 @@ class Recorder:
             return
         taps, self._tap_obs = self._tap_obs, []
         mode = self._tap_mode
-        record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._per_tensor_step(),
+        record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._plan.per_tensor(self.step),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
                             taps=taps if mode == "full" else [], params=merge_params(self._params))
         light = None
@@ -567,15 +448,9 @@ class Recorder:
         self._backward_scale, self._inv_scales = None, {}
         if not self.writer.put(record) and not self.writer.closed and not self.writer.failed:
             self._step_dropped()
-        if light is not None:
-            light.scalars, light.event = record.scalars, record.event
-            self._flight.append(light)
-        if self._skipped_on_host:
-            self._on_anomaly(self.step, seen_on_host=True)
+        self._anomalies.step_done(self.step, record.scalars, record.event, light, skipped_on_host=self._skipped_on_host)
         self._skipped_on_host = False
         self._optimizers_ran.clear()
-        self._pending_checks.append((self.step, record.scalars, record.event))
-        self._check_anomalies(wait=False)
         self.step += 1
         self._remove_sniff()  # the autocast dtype is known after the first iteration or never
         self._plan_step()
@@ -587,29 +462,12 @@ class Recorder:
         self._taps.remove()
         self._taps, self._tap_mode = None, None
 
-    def _detailed_step(self) -> bool:
-        """Whether this step's gradients get the full statistics (counts, histograms): every
-        ``every`` steps, and the ``escalate_steps`` after an anomaly."""
-        return self.step % self.options.gradient_interval == 0 or self.step < self._escalate_until
-
-    def _per_tensor_step(self) -> bool:
-        """Whether this step writes a row per parameter (else only the step row)."""
-        return self.options.level != "steps" or self.step < self._escalate_until
-
     def _plan_step(self) -> None:
         """Decide what the module taps record in the step about to start; (un)install them."""
         if self._taps is None:
             self._tap_mode = None
             return
-        escalated = self.step < self._escalate_until
-        mode = None
-        if self.options.level == "full":
-            if escalated or self.step % self.options.module_interval == 0:
-                mode = "full"
-            elif self.options.flight_steps:
-                mode = "light"
-        elif escalated:
-            mode = "full"
+        mode = self._plan.tap_mode(self.step)
         self._tap_mode = mode
         self._taps.reset()
         if mode is None:
@@ -619,67 +477,6 @@ class Recorder:
             self._taps.install()
         except Exception as exc:  # noqa: BLE001 - e.g. a module type that refuses hooks
             self._taps_off(f"module taps could not be installed ({type(exc).__name__}: {exc})")
-
-    # -- anomalies: the flight recorder and escalation ---------------------------------------
-    def _check_anomalies(self, *, wait: bool, deadline: float | None = None) -> None:
-        """Read the scalars of finished steps (those whose copy event has completed; all of
-        them when ``wait``, which syncs, until ``deadline`` if given) and react to the first
-        anomaly of a run of them."""
-        while self._pending_checks:
-            step, scalars, event = self._pending_checks[0]
-            if event is not None:
-                if wait and deadline is None:
-                    event.synchronize()
-                elif wait:
-                    while not event.query():
-                        if time.monotonic() > deadline:
-                            return
-                        time.sleep(0.01)
-                elif not event.query():
-                    break
-            self._pending_checks.popleft()
-            self._checked_until = step + 1
-            if scalars is not None:
-                self._last_scalars = scalars
-            scale, skipped, loss, params = read_scalars(scalars)
-            floor = self.options.scale_floor
-            below = floor is not None and scalars is not None and scale < floor
-            fatal = ((loss is not None and not math.isfinite(loss))
-                     or (params is not None and not math.isfinite(params)))
-            if skipped or fatal or (below and not self._below_floor):
-                self._on_anomaly(step, fatal=fatal)
-            self._below_floor = below
-        # A checked step can still be in the window of an anomaly up to flight_steps - 1 later.
-        horizon = self._checked_until - self.options.flight_steps
-        while self._flight and self._flight[0].step < horizon:
-            self._flight.popleft()
-
-    def _on_anomaly(self, step: int, *, fatal: bool = False, seen_on_host: bool = False) -> None:
-        """Write out the flight recorder's steps up to ``step`` and escalate the next steps, once
-        per anomalous step. ``seen_on_host``: a skip known at ``step()`` already (torch read
-        found_inf), before its copies have landed; the later check of its scalars comes back
-        here for the rest."""
-        if step > self._handled_anomaly:
-            self._handled_anomaly = step
-            window = [e for e in self._flight if step - self.options.flight_steps < e.step <= step]
-            later = [e for e in self._flight if e.step > step]  # seen already, checked later
-            self._flight.clear()
-            self._flight.extend(later)
-            if window:
-                for e in window:
-                    e.peaks = self._copies.to_host(e.peaks)
-                self.writer.put(FlightRecord(self.rank, window, self._copies.seal()))
-            if self.options.escalate_steps:
-                self._escalate_until = max(self._escalate_until, self.step + 1 + self.options.escalate_steps)
-        if seen_on_host:
-            return  # waiting for the writer now would wait for this step's copies: a sync
-        # The anomaly's rows go to disk now, before the process can die of it (the step's own
-        # record is queued already; its materialization closes a segment at once). A run of
-        # skipped steps waits only at its first: a collapsing run must not also crawl; a non-finite
-        # loss or parameter, which training may not survive, always waits.
-        if (fatal or step != self._last_anomaly + 1) and not self._closing:
-            self.writer.sync()
-        self._last_anomaly = step
 
     # -- worker thread -----------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
@@ -691,19 +488,6 @@ class Recorder:
             "run.id": self.run_id, "run.started": self.started, "record.level": self.options.level,
             "record.dropped_steps": str(self.dropped_steps),
         }
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (FSDP2 parameters and gradients;
-    reductions on the DTensor itself would be collectives), else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
-
-
-def _plan_holds(dense: dict) -> bool:
-    """Whether every planned parameter still has its group's device and dtype and its size."""
-    return all(p.device == device and p.dtype == dtype and p.numel() == n
-               for (device, dtype), (_, numels, params) in dense.items() for p, n in zip(params, numels.tolist()))
-
 
 def _tensors(outputs) -> Iterable[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):

@@ -98,7 +98,7 @@ def _fake_cuda_run(level: str, devices=("cuda:0",), steps: int = 4, inject: int 
         rec.writer.put = lambda record: records.append(record) or True
         rec.writer.sync = lambda: True
         # Fake host copies hold no data either: their fences never pass, so nothing reads them.
-        rec._copies = HostCopies(lambda device: LateEvent(device, lag=10**9))
+        rec.use_copies(HostCopies(lambda device: LateEvent(device, lag=10**9)))
         # torch's step() reads found_inf on the host (its own sync, which fake tensors refuse)
         scaler._maybe_opt_step = lambda optimizer, state, *a, **k: optimizer.step(*a, **k)
         with counter:
@@ -113,7 +113,7 @@ def _fake_cuda_run(level: str, devices=("cuda:0",), steps: int = 4, inject: int 
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
-        rec._pending_checks.clear()
+        rec._anomalies.pending.clear()
         scaler.close()
     return records, rec, counter
 
@@ -135,7 +135,7 @@ def test_every_level_runs_its_cuda_branches_without_a_sync(level):
         if level == "full" and detailed:
             assert {t.kind for t in r.taps} == {"output"} and len(r.taps) == 3  # a, b, the model
     if level == "full":  # light steps: module peaks stay on the device, in the flight recorder
-        assert [e.step for e in rec._flight] == [1, 3] and rec._flight[0].peaks.device.type == "cuda"
+        assert [e.step for e in rec._anomalies.flight] == [1, 3] and rec._anomalies.flight[0].peaks.device.type == "cuda"
     assert not FORBIDDEN & set(counter.ops), FORBIDDEN & set(counter.ops)
 
 
@@ -197,7 +197,7 @@ def test_gradient_taps_run_on_meta_tensors():
             self._devices[t.device] = None
             return t
 
-    rec._copies = KeepOnDevice(LateEvent)
+    rec.use_copies(KeepOnDevice(LateEvent))
     scaler._maybe_opt_step = lambda optimizer, state, *a, **k: optimizer.step(*a, **k)
     x, y = torch.randn(8, 16, device="meta"), torch.randn(8, 4, device="meta")
     scaler.scale(((model(x) - y) ** 2).mean()).backward()
@@ -218,7 +218,7 @@ def _late_run(path, *, fused: bool, late: bool, level="full", steps=10, inject_a
     scaler = ampdoctor.GradScaler("cpu", model=model, path=path, level=level, every=100, escalate_steps=3,
                                   init_scale=2.0**10)
     if late:
-        scaler.recorder._copies = HostCopies(lambda device: LateEvent(device, lag=2), fence_host=True)
+        scaler.recorder.use_copies(HostCopies(lambda device: LateEvent(device, lag=2), fence_host=True))
     for i, (x, y) in enumerate(batches(steps)):
         scaler.scale(mse(model, x, y)).backward()
         if i == inject_at:
@@ -279,7 +279,7 @@ def test_close_waits_for_late_copies_within_its_timeout(tmp_path):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
-    scaler.recorder._copies = HostCopies(Hung, fence_host=True)
+    scaler.recorder.use_copies(HostCopies(Hung, fence_host=True))
     x, y = next(iter(batches(1)))
     scaler.scale(mse(model, x, y)).backward()
     scaler.step(opt)
@@ -372,7 +372,7 @@ def _skips_run(path, make_optimizers, *, enabled=True, inject_at=3, steps=8):
     optimizers = make_optimizers(model)
     scaler = ampdoctor.GradScaler("cpu", model=model, path=path, every=100, escalate_steps=2,
                                   init_scale=2.0**10, enabled=enabled)
-    scaler.recorder._copies = HostCopies(lambda device: LateEvent(device, lag=3), fence_host=True)
+    scaler.recorder.use_copies(HostCopies(lambda device: LateEvent(device, lag=3), fence_host=True))
     for i, (x, y) in enumerate(batches(steps)):
         scaler.scale(mse(model, x, y)).backward()
         if i == inject_at:
@@ -428,7 +428,7 @@ def test_a_new_optimizer_with_a_freed_one_s_id_is_watched(tmp_path):
         scaler.step(opt)
         scaler.update()
         del opt
-    assert rec._handled_anomaly < 0 and rec._escalate_until == 0
+    assert rec._anomalies.handled < 0 and rec._plan.escalate_until == 0
     scaler.close()
 
 
@@ -447,7 +447,7 @@ def test_fake_cuda_skip_seen_on_the_host_dumps_the_flight_window_and_escalates()
         rec.writer.close()
         rec.writer.put = lambda record: records.append(record) or True
         rec.writer.sync = lambda: True
-        rec._copies = HostCopies(lambda device: LateEvent(device, lag=10**9))
+        rec.use_copies(HostCopies(lambda device: LateEvent(device, lag=10**9)))
         step = [0]
         scaler._maybe_opt_step = lambda optimizer, state, *a, **k: None if step[0] == 2 else optimizer.step(*a, **k)
         for step[0] in range(5):
@@ -459,7 +459,7 @@ def test_fake_cuda_skip_seen_on_the_host_dumps_the_flight_window_and_escalates()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-        rec._pending_checks.clear()
+        rec._anomalies.pending.clear()
         scaler.close()
     (flight,) = [r for r in records if isinstance(r, FlightRecord)]
     assert [e.step for e in flight.steps] == [1, 2] and flight.steps[0].peaks.device.type == "cpu"

@@ -1,0 +1,118 @@
+"""Anomaly detection and the flight recorder of one recorder (training thread).
+
+An *anomaly* is a skipped step, a non-finite loss or parameter, or the scale falling below
+``scale_floor``. Each step's scalars are checked once their copy has landed (its fence has
+passed: ``query()``, never a wait, except at close); a skip that torch's ``step()`` already saw
+on the host is acted on at once. On an anomaly the flight recorder's light steps of the
+``flight_steps`` before it are written out, the next steps are escalated (:mod:`ampdoctor.plan`),
+and the training thread waits for the writer to put the rows on disk, except inside a run of
+skipped steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+import torch
+
+from .plan import StepPlan
+from .records import FlightRecord, LightStep, read_scalars
+from .transfer import Fence, HostCopies
+from .writer import RunWriter
+
+
+class AnomalyWatch:
+    def __init__(self, plan: StepPlan, writer: RunWriter, copies: HostCopies, *, rank: int, flight_steps: int,
+                 scale_floor: float | None, start_step: int) -> None:
+        self._plan, self._writer, self.copies = plan, writer, copies
+        self._rank, self._flight_steps, self._scale_floor = rank, flight_steps, scale_floor
+        # Entries leave the flight recorder once their step and the F-1 steps after it are checked
+        # (fused optimizers do not sync in step(), so checks can lag); the cap bounds a lag that
+        # never ends (a disabled scaler that never syncs).
+        self.flight: collections.deque[LightStep] = collections.deque(maxlen=4 * flight_steps + 64)
+        self.pending: collections.deque = collections.deque()  # (step, host scalars, fence)
+        self.checked_until = start_step   # steps below this have been checked
+        self.last_scalars: torch.Tensor | None = None  # host scalars of the last checked step
+        self.handled = start_step - 1      # the last anomalous step whose window was written
+        self.closing = False               # the recorder is closing: no waits for the writer
+        self._last_checked_anomaly = -2    # a run of anomalous steps waits for the writer once
+        self._below_floor = False
+
+    def step_done(self, step: int, scalars: torch.Tensor | None, fence: Fence | None, light: LightStep | None,
+                  *, skipped_on_host: bool) -> None:
+        """``step``'s record is queued: keep its light peaks and its scalars for the check; act on
+        a skip seen on the host; then check the steps whose copies have landed. No sync."""
+        if light is not None:
+            light.scalars, light.event = scalars, fence
+            self.flight.append(light)
+        if skipped_on_host:
+            self.on_anomaly(step, step, seen_on_host=True)
+        self.pending.append((step, scalars, fence))
+        self.check(step, wait=False)
+
+    def check(self, current_step: int, *, wait: bool, deadline: float | None = None) -> None:
+        """Read the scalars of finished steps (those whose fence has passed; all of them when
+        ``wait``, a host-side wait, until ``deadline`` if given) and react to the first anomaly
+        of a run of them."""
+        while self.pending:
+            step, scalars, fence = self.pending[0]
+            if fence is not None:
+                if wait and deadline is None:
+                    fence.synchronize()
+                elif wait:
+                    while not fence.query():
+                        if time.monotonic() > deadline:
+                            return
+                        time.sleep(0.01)
+                elif not fence.query():
+                    break
+            self.pending.popleft()
+            self.checked_until = step + 1
+            if scalars is not None:
+                self.last_scalars = scalars
+            scale, skipped, loss, params = read_scalars(scalars)
+            below = self._scale_floor is not None and scalars is not None and scale < self._scale_floor
+            fatal = ((loss is not None and not math.isfinite(loss))
+                     or (params is not None and not math.isfinite(params)))
+            if skipped or fatal or (below and not self._below_floor):
+                self.on_anomaly(step, current_step, fatal=fatal)
+            self._below_floor = below
+        # A checked step can still be in the window of an anomaly up to flight_steps - 1 later.
+        horizon = self.checked_until - self._flight_steps
+        while self.flight and self.flight[0].step < horizon:
+            self.flight.popleft()
+
+    def on_anomaly(self, step: int, current_step: int, *, fatal: bool = False, seen_on_host: bool = False) -> None:
+        """Write out the flight recorder's steps up to ``step`` and escalate the steps after
+        ``current_step``, once per anomalous step. ``seen_on_host``: a skip known at ``step()``
+        already (torch read found_inf), before its copies have landed; the later check of its
+        scalars comes back here for the rest."""
+        if step > self.handled:
+            self.handled = step
+            window = [e for e in self.flight if step - self._flight_steps < e.step <= step]
+            later = [e for e in self.flight if e.step > step]  # seen already, checked later
+            self.flight.clear()
+            self.flight.extend(later)
+            if window:
+                for e in window:
+                    e.peaks = self.copies.to_host(e.peaks)
+                self._writer.put(FlightRecord(self._rank, window, self.copies.seal()))
+            self._plan.escalate(current_step)
+        if seen_on_host:
+            return  # waiting for the writer now would wait for this step's copies: a sync
+        # The anomaly's rows go to disk now, before the process can die of it (the step's own
+        # record is queued already; its materialization closes a segment at once). A run of
+        # skipped steps waits only at its first: a collapsing run must not also crawl; a non-finite
+        # loss or parameter, which training may not survive, always waits.
+        if (fatal or step != self._last_checked_anomaly + 1) and not self.closing:
+            self._writer.sync()
+        self._last_checked_anomaly = step
+
+    def rewind(self, step: int) -> None:
+        """The numbering goes on at ``step``: the abandoned steps' flight entries and checks go."""
+        self.handled = min(self.handled, step - 1)
+        self.flight.clear()
+        self.pending.clear()
+        self.last_scalars = None

@@ -1,0 +1,52 @@
+"""What each step records: integer logic over step numbers, no tensors.
+
+A step is *sampled* every ``every`` steps (full statistics of the gradients: counts and
+histograms) and its module taps every ``module_every``; after an anomaly the next
+``escalate_steps`` steps are *escalated*: full statistics of the gradients, a row per parameter
+and full module taps, whatever the level. Other steps are *light*: at ``level="full"`` the taps
+keep only each tensor's min and max, for the flight recorder.
+"""
+
+from __future__ import annotations
+
+from .options import RecordOptions
+
+
+class StepPlan:
+    def __init__(self, options: RecordOptions, start_step: int) -> None:
+        self.level = options.level
+        self.every = options.gradient_interval
+        self.module_every = options.module_interval
+        self.flight_steps = options.flight_steps
+        self.escalate_steps = options.escalate_steps
+        self.escalate_until = start_step  # steps below this are escalated
+
+    def escalated(self, step: int) -> bool:
+        return step < self.escalate_until
+
+    def detailed(self, step: int) -> bool:
+        """Whether ``step``'s gradients get the full statistics."""
+        return step % self.every == 0 or self.escalated(step)
+
+    def per_tensor(self, step: int) -> bool:
+        """Whether ``step`` writes a row per parameter (else only the step row)."""
+        return self.level != "steps" or self.escalated(step)
+
+    def tap_mode(self, step: int) -> str | None:
+        """What the module taps record in ``step``: None, ``"light"`` (min and max) or ``"full"``."""
+        if self.escalated(step):
+            return "full"
+        if self.level != "full":
+            return None
+        if step % self.module_every == 0:
+            return "full"
+        return "light" if self.flight_steps else None
+
+    def escalate(self, after_step: int) -> None:
+        """An anomaly was seen by the end of ``after_step``: escalate the steps after it."""
+        if self.escalate_steps:
+            self.escalate_until = max(self.escalate_until, after_step + 1 + self.escalate_steps)
+
+    def rewind(self, step: int) -> None:
+        """The numbering goes on at ``step`` (a resumed or rolled-back run)."""
+        self.escalate_until = min(self.escalate_until, step)

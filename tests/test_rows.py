@@ -1,0 +1,68 @@
+"""rows.py on its own: the rows the writer builds from each kind of record."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ampdoctor.formats import FLOAT16
+from ampdoctor.hooks import ModuleCall
+from ampdoctor.records import (FlightRecord, GroupRecord, LightStep, ParamPeaks, ParamRecord, StepRecord,
+                               TapObservation)
+from ampdoctor.rows import materialize
+from ampdoctor.schema import HIST_BINS, run_schema
+from ampdoctor.stats import light_stats, tensor_stats
+
+SCHEMA_COLUMNS = set(run_schema(HIST_BINS, {}).names)
+
+
+def _scalars(*, scale=1024.0, skipped=False, loss=2.5, param_peak=3.0):
+    return torch.tensor([scale, float(skipped), loss, 1.0, param_peak, 1.0])
+
+
+def _rows(record):
+    blocks, anomaly = materialize(record, hist_bins=HIST_BINS)
+    for columns, n in blocks:
+        assert set(columns) == SCHEMA_COLUMNS and all(len(v) == n for v in columns.values())
+    return [dict(zip(columns, values)) for columns, n in blocks for values in zip(*columns.values())], anomaly
+
+
+def test_a_sampled_step_gives_a_step_row_gradient_rows_tap_rows_and_parameter_rows():
+    grads = [torch.tensor([1.0, 0.0, -3.0]), torch.tensor([[2.0**-20]])]
+    inv = torch.tensor(1 / 1024)
+    stats = tensor_stats(grads, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal)
+    call = ModuleCall("fc1", 0, None, (), 0)
+    tap = TapObservation("output", call, 0, "float16", 3,
+                         tensor_stats([torch.tensor([1.0, 2.0, 4.0])], inv_scale=None, subnormal_below=1e-5))
+    params = ParamPeaks(["w", "b"], [3, 1], torch.tensor([0.5, math.inf]))
+    record = StepRecord(step=7, rank=1, per_tensor=True, amp_dtype="float16", scalars=_scalars(param_peak=math.inf),
+                        groups=[GroupRecord(["w", "b"], "float32", np.array([3, 1]), stats)], taps=[tap], params=params)
+    rows, anomaly = _rows(record)
+    assert [r["kind"] for r in rows] == ["step", "param_grad", "param_grad", "output", "param", "param"]
+    step, w, b, out, all_params, bad = rows
+    assert step["numel"] == 4 and step["loss"] == 2.5 and step["scale"] == 1024 and not step["skipped"]
+    assert w["amax"] == np.float32(3 / 1024) and w["n_zero"] == 1 and b["n_zero"] == 0
+    assert out["name"] == "fc1" and out["call"] == 0 and out["amax"] == 4.0
+    assert all_params["name"] == "" and math.isinf(all_params["amax"]) and bad["name"] == "b"
+    assert anomaly  # the step's scalars carry the largest parameter peak: inf
+    # ... a light step: peak and norm only, the rest null
+    light = StepRecord(step=8, rank=1, per_tensor=True, amp_dtype="float16", scalars=_scalars(param_peak=1.0),
+                       groups=[GroupRecord(["w", "b"], "float32", np.array([3, 1]), light_stats(grads, inv_scale=inv))])
+    rows, anomaly = _rows(light)
+    assert [r["kind"] for r in rows] == ["step", "param_grad", "param_grad"] and not anomaly
+    assert rows[1]["n_zero"] is None and rows[1]["hist"] is None and rows[1]["l2"] > 0
+
+
+def test_flight_and_parameter_records():
+    call = ModuleCall("blocks.0", 3, None, (1,), 0)
+    taps = [TapObservation("output", call, 0, "float16", 10, None),
+            TapObservation("grad_output", call, 1, "float16", 10, None)]
+    light = LightStep(5, taps, torch.tensor([70000.0, 2048.0]), _scalars(scale=2048.0, skipped=True))
+    rows, anomaly = _rows(FlightRecord(0, [light]))
+    assert anomaly and [r["kind"] for r in rows] == ["output", "grad_output"]
+    assert rows[0]["amax"] == 70000.0 and rows[1]["amax"] == 1.0  # a gradient's peak is unscaled
+    assert rows[0]["inputs"] == [1] and rows[0]["skipped"] and rows[0]["n_zero"] is None
+    rows, anomaly = _rows(ParamRecord(9, 0, "float16", _scalars(), ParamPeaks(["w"], [4], torch.tensor([math.nan]))))
+    assert anomaly and len(rows) == 2 and math.isnan(rows[0]["amax"]) and rows[1]["name"] == "w"
