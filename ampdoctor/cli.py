@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from .run import Run
 
 from . import __version__
-from .demo import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
+from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 from .errors import AmpdoctorError, one_line
 
 
@@ -22,9 +23,13 @@ class CliError(click.ClickException):
     exit_code = 2
 
 
+DEBUG_VARIABLE = "AMPDOCTOR_DEBUG"
+
+
 def library_errors(fn):
     """Turn an :class:`AmpdoctorError` into a one-line CLI error (exit 2); any other exception
-    (a bug of ours) too, named as an internal error."""
+    (a bug of ours) too, named as an internal error, unless ``--traceback`` or
+    ``$AMPDOCTOR_DEBUG`` asks for its traceback."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -35,10 +40,18 @@ def library_errors(fn):
         except click.ClickException:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug of ours still gets one line, not a traceback
+            if _show_tracebacks():
+                raise
             raise CliError(one_line(f"internal error: {type(exc).__name__}: {exc} (a bug in ampdoctor; "
-                                    f"please report it)")) from None
+                                    f"please report it; --traceback or {DEBUG_VARIABLE}=1 shows where)")) from None
 
     return run
+
+
+def _show_tracebacks() -> bool:
+    ctx = click.get_current_context(silent=True)
+    asked = ctx is not None and (ctx.find_root().obj or {}).get("traceback", False)
+    return asked or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
 
 
 class Scale(click.ParamType):
@@ -90,8 +103,11 @@ def run_argument(fn):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ampdoctor")
-def main() -> None:
+@click.option("--traceback", is_flag=True, help=f"Show the traceback of an internal error (also: {DEBUG_VARIABLE}=1).")
+@click.pass_context
+def main(ctx: click.Context, traceback: bool) -> None:
     """Diagnose PyTorch automatic mixed precision runs recorded by ampdoctor."""
+    ctx.obj = {"traceback": traceback}
 
 
 @main.command()

@@ -16,9 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from .errors import AmpdoctorError
+from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS, Scenario
 
-DEFAULT_PATH = "ampdoctor-demo.parquet"
-CPU_STEPS, CUDA_STEPS = 150, 500
 STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
 
 
@@ -70,32 +69,6 @@ def synthetic_batch(gen: torch.Generator, batch: int, context: int, vocab: int, 
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
-@dataclass(frozen=True)
-class Scenario:
-    """How the demo trains: scaler settings, a factor on the loss, and an optional fault."""
-
-    description: str
-    explained_by: str = "report"        # the command that explains the run: "report" or "postmortem"
-    init_scale: float = 2.0**16
-    growth_interval: int = 2000
-    loss_factor: float = 1.0            # multiplies the loss passed to scale()
-    level: str = "params"
-    fault_module: str | None = None     # a module whose weight a bad update blows up (see fault_step) ...
-    fault_peak: float = 0.0             # ... to this largest magnitude
-
-
-SCENARIOS: dict[str, Scenario] = {
-    "healthy": Scenario("torch's default GradScaler settings: nothing to fix"),
-    "underflow": Scenario("loss * 1e-4, init_scale=1: small gradients underflow to zero in fp16",
-                          init_scale=1.0, loss_factor=1e-4),
-    # level="full": the flight recorder names where each overflow starts, the first one included.
-    "overflow": Scenario("init_scale=2**24, growth_interval=10: overflow after overflow",
-                         init_scale=2.0**24, growth_interval=10, level="full"),
-    # The weight stays within fp16's range (2**15 < 65504): its matmul's output is what overflows, so
-    # the postmortem names the module, not a parameter. level="full" records the module taps.
-    "nan": Scenario("near the end, blocks.1.mlp.0's weight blows up: fp16 overflow, NaN loss",
-                    explained_by="postmortem", level="full", fault_module="blocks.1.mlp.0", fault_peak=2.0**15),
-}
 
 
 @dataclass

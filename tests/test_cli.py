@@ -1,6 +1,8 @@
 """The CLI: thin commands, one-line errors with exit code 2, never a traceback."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -72,3 +74,36 @@ def test_simulate_takes_scales_as_the_reports_print_them(cli, run_path):
         result = cli.invoke(main, ["simulate", str(run_path), "--init-scale", bad])
         assert result.exit_code == 2, (bad, result.output)
         assert "Traceback" not in result.output and "--init-scale" in result.output
+
+
+def test_import_and_help_load_neither_torch_nor_pandas():
+    """A training script's ``import ampdoctor`` pulls no analysis stack, and ``--help`` and
+    ``--version`` answer without importing torch (seconds and hundreds of MiB)."""
+    code = ("import sys, ampdoctor\n"
+            "from ampdoctor import cli\n"
+            "heavy = [m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+            "assert ampdoctor.GradScaler.__module__ == 'ampdoctor.scaler' and 'torch' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    for flag in ("--help", "--version"):
+        probe = ("import sys; from ampdoctor.cli import main\n"
+                 "try:\n    main([%r])\nexcept SystemExit as exc:\n    assert not exc.code\n"
+                 "assert 'torch' not in sys.modules and 'pandas' not in sys.modules\n") % flag
+        subprocess.run([sys.executable, "-c", probe], check=True, timeout=120, capture_output=True)
+
+
+def test_an_internal_error_is_one_line_unless_a_traceback_is_asked_for(tmp_path, monkeypatch):
+    path = tmp_path / "run.parquet"
+    record(path)
+
+    def broken(run):
+        return 1 / 0
+
+    monkeypatch.setattr("ampdoctor.run.describe", broken)
+    monkeypatch.delenv("AMPDOCTOR_DEBUG", raising=False)
+    result = CliRunner().invoke(main, ["info", str(path)])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert "internal error: ZeroDivisionError" in result.output and "--traceback" in result.output
+    for args, env in ((["--traceback", "info", str(path)], {}), (["info", str(path)], {"AMPDOCTOR_DEBUG": "1"})):
+        result = CliRunner().invoke(main, args, env=env)
+        assert isinstance(result.exception, ZeroDivisionError) and result.exit_code == 1
