@@ -14,11 +14,11 @@ __version__ = "0.1.0"
 from .errors import AmpdoctorError, RecorderError, RunError  # noqa: E402
 
 _LAZY = {"GradScaler": "scaler", "wrap": "scaler", "unwrap": "scaler", "load": "run", "read_run": "run",
-         "Run": "run", "find_origins": "reports.origins", "postmortem": "reports.postmortem"}
+         "Run": "run", "find_origins": "analysis.origins", "postmortem": "analysis.postmortem"}
 
 if TYPE_CHECKING:
-    from .reports.origins import find_origins
-    from .reports.postmortem import postmortem
+    from .analysis.origins import find_origins
+    from .analysis.postmortem import postmortem
     from .run import Run, load, read_run
     from .scaler import GradScaler, unwrap, wrap
 

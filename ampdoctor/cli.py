@@ -116,7 +116,7 @@ def main(ctx: click.Context, traceback: bool) -> None:
 @library_errors
 def info(run: Run, fmt: str) -> None:
     """Summarise a run: steps, ranks, tensors, schema, size, clean end."""
-    from .reports.render_text import info_text
+    from .render.text import info_text
     from .run import describe
 
     data = describe(run)
@@ -154,8 +154,8 @@ def _color() -> bool:
 def report(run: Run, fmt: str, top: int, output: str | None) -> None:
     """What happened to the loss scale, which layers underflow or lack headroom, where overflows
     came from, and which GradScaler settings to use instead."""
-    from .reports import render
-    from .reports.summary import build_report
+    from . import render
+    from .analysis.report import build_report
 
     data = build_report(run)
     _emit(render.report(data, fmt, color=output is None and _color(), top=top), output)
@@ -179,8 +179,8 @@ def report(run: Run, fmt: str, top: int, output: str | None) -> None:
 def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
     """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
     underflow, next to what the run actually did."""
-    from .reports import render
-    from .reports.summary import simulate_run
+    from . import render
+    from .analysis.report import simulate_run
 
     try:
         data = simulate_run(run, **settings)
@@ -199,8 +199,8 @@ def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
 @library_errors
 def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -> None:
     """The per-layer table: underflow, zero and subnormal rates, headroom, amax and amin."""
-    from .reports import render
-    from .reports.summary import layers_report
+    from . import render
+    from .analysis.report import layers_report
 
     _emit(render.layers(layers_report(run, sort, top), fmt), output)
 
@@ -213,8 +213,8 @@ def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -
 def postmortem(run: Run, fmt: str, output: str | None) -> None:
     """Why the loss (or the parameters) went non-finite: the first event, its cause and origin,
     the steps that led there, and what to change. Exit 0 either way; `status` says which."""
-    from .reports import render
-    from .reports.postmortem import postmortem as analyse_run
+    from . import render
+    from .analysis.postmortem import postmortem as analyse_run
 
     _emit(render.postmortem(analyse_run(run), fmt, color=output is None and _color()), output)
 
@@ -253,13 +253,13 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
     if not show_report:
         click.echo(f"Wrote {result.path}. Read it with:\n  ampdoctor {explained_by} {result.path}")
         return
-    from .reports import render
+    from . import render
 
     if explained_by == "postmortem":
-        from .reports.postmortem import postmortem as analyse_run
+        from .analysis.postmortem import postmortem as analyse_run
         text = render.postmortem(analyse_run(result.path), "text", color=_color())
     else:
-        from .reports.summary import build_report
+        from .analysis.report import build_report
         text = render.report(build_report(result.path), "text", color=_color())
     click.echo(f"Wrote {result.path}.\n")
     click.echo(text)

@@ -14,7 +14,7 @@ Structure. Every call of a tapped module gets a number (``call``, in the order c
 returned tensor it received, either unmodified (same object, same version) or through untapped
 operations (``torch.tanh(x)``, ``h += x``, a reshape), found by walking back a few autograd nodes
 to the nodes of tapped outputs. These are the facts the analysis needs to name the module whose
-backward produced a gradient (:mod:`ampdoctor.reports.origins`).
+backward produced a gradient (:mod:`ampdoctor.analysis.origins`).
 
 Lifetime. Nothing here holds a tensor: returned tensors are remembered through weak references for
 the ``inputs`` facts, and tensor hooks capture only the call's facts. ``remove()`` removes every

@@ -443,7 +443,7 @@ def zero_line_elements(tensor: torch.Tensor, lines: str = "rows") -> torch.Tenso
     Why: zeros that fill a whole line come from structure that does not depend on the loss scale
     (an unused embedding row, a dead ReLU unit, a masked or ignored position), while an element
     that underflows in its own rounding is a scattered zero; reports tell the two apart with this
-    count (:mod:`ampdoctor.reports.underflow`). A handful of reductions; does not sync."""
+    count (:mod:`ampdoctor.analysis.underflow`). A handful of reductions; does not sync."""
     if tensor.dim() < 2 or tensor.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=tensor.device)
     view = tensor.reshape(tensor.shape[0], -1) if lines == "rows" else tensor.reshape(-1, tensor.shape[-1])

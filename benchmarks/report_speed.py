@@ -116,13 +116,13 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank) -> pa.Table:
 _CHILD = """
 import json, resource, sys, time
 t = time.perf_counter()
-from ampdoctor.reports import render
+from ampdoctor import render
 if sys.argv[2] == "report":
-    from ampdoctor.reports.summary import build_report
+    from ampdoctor.analysis.report import build_report
     data = build_report(sys.argv[1])
     render.to_json(data)
 else:
-    from ampdoctor.reports.postmortem import postmortem
+    from ampdoctor.analysis.postmortem import postmortem
     data = postmortem(sys.argv[1])
     render.to_json(data)
 print(json.dumps({"seconds": time.perf_counter() - t,

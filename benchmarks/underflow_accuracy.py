@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import architectures as A  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor.reports.summary import build_report  # noqa: E402
+from ampdoctor.analysis.report import build_report  # noqa: E402
 
 SCALES = (1.0, 2.0**4, 2.0**8, 2.0**16)
 FACTORS = (1.0, 1e-3)

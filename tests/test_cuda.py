@@ -11,7 +11,7 @@ import torch
 
 import ampdoctor
 from ampdoctor.formats import FLOAT16
-from ampdoctor.reports.origins import find_origins
+from ampdoctor.analysis.origins import find_origins
 from ampdoctor.run import read_run
 from ampdoctor.stats import HostStats, light_stats, tensor_stats
 from ampdoctor.transfer import HostCopies

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import ampdoctor
 from ampdoctor.cli import main
 from ampdoctor.demo import SCENARIOS, DemoError, fault_step, run_demo
-from ampdoctor.reports.summary import build_report
+from ampdoctor.analysis.report import build_report
 
 STEPS = 60  # fewer than the CPU default of 150: every scenario already shows its problem by then
 FAULT = fault_step("nan", STEPS)

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ampdoctor
-from ampdoctor.reports.summary import build_report
+from ampdoctor.analysis.report import build_report
 from models import MLP, batches, mse
 
 WORLD = 2

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
 from ampdoctor.hooks import ROOT_NAME, select_modules
-from ampdoctor.reports.origins import find_origins
+from ampdoctor.analysis.origins import find_origins
 from models import MLP, DeepNet, SharedNet, WithHead, batches, fit, mse, set_at
 
 QUIET = dict(init_scale=2.0**10)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.reports.origins import OUTSIDE, find_origins, nonfinite_rows
-from ampdoctor.reports.summary import build_report
+from ampdoctor.analysis.origins import OUTSIDE, find_origins, nonfinite_rows
+from ampdoctor.analysis.report import build_report
 from models import CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 
 K = 3          # the step at which something goes wrong

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import ampdoctor
 from ampdoctor.cli import main
-from ampdoctor.reports import render
+from ampdoctor import render
 from models import MLP, DeepNet, NaNWritingSGD, set_at, train_with_faults
 
 FAULT = 12  # the step every fault is injected at
@@ -163,7 +163,7 @@ def test_every_format(runs, name, tmp_path):
             data = json.loads(text)
             if name != "healthy":
                 check_contract(data, POSTMORTEM_CONTRACT)
-                assert data["cause"] in ampdoctor.reports.postmortem.CAUSES
+                assert data["cause"] in ampdoctor.analysis.postmortem.CAUSES
         if fmt == "text":
             assert max(len(line) for line in text.splitlines()) <= 100
         if fmt == "html":

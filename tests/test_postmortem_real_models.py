@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.reports import render
+from ampdoctor import render
 from architectures import Arch, NanoGPT, true_rate
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.reports.summary import build_report, simulate_run
+from ampdoctor.analysis.report import build_report, simulate_run
 
 import architectures as A
 

@@ -13,10 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from ampdoctor.reports import render
-from ampdoctor.reports.formatting import binades, number, percent, scale_str, setting, shorten
-from ampdoctor.reports.render_html import report_html
-from ampdoctor.reports.render_markdown import layers_markdown, report_markdown, simulate_markdown
+from ampdoctor import render
+from ampdoctor.render.formatting import binades, number, percent, scale_str, setting, shorten
+from ampdoctor.render.html import report_html
+from ampdoctor.render.markdown import layers_markdown, report_markdown, simulate_markdown
 
 XSS = "<img src=x onerror=alert(1)>"
 PIPE = "a|b"

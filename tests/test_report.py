@@ -21,9 +21,9 @@ from click.testing import CliRunner
 
 import ampdoctor
 from ampdoctor.cli import main
-from ampdoctor.reports import render
-from ampdoctor.reports.simulate import ScalerConfig, prepare, replay
-from ampdoctor.reports.summary import analyse, build_report, layers_report, simulate_run
+from ampdoctor import render
+from ampdoctor.analysis.simulate import ScalerConfig, prepare, replay
+from ampdoctor.analysis.report import analyse, build_report, layers_report, simulate_run
 from models import MLP, train_recorded
 
 SCENARIOS = {
@@ -354,7 +354,7 @@ def test_hysteresis_follows_megatron():
 
 def _series(amax):
     from ampdoctor.formats import FLOAT16
-    from ampdoctor.reports.simulate import StepSeries
+    from ampdoctor.analysis.simulate import StepSeries
     n = len(amax)
     zeros = np.zeros(n)
     return StepSeries(steps=np.arange(n), scale=np.ones(n), recorded_scale=np.ones(n), skipped=np.zeros(n, bool), forced=np.zeros(n, bool),

@@ -156,7 +156,7 @@ def test_a_new_run_on_a_reused_path_is_kept_apart(run_path):
     from click.testing import CliRunner
 
     from ampdoctor.cli import main
-    from ampdoctor.reports.summary import build_report
+    from ampdoctor.analysis.report import build_report
 
     record(run_path, steps=6, init_scale=2.0**24)  # skips its first steps
     first = read_run(run_path).metadata["run.id"]
@@ -229,7 +229,7 @@ def test_resuming_from_an_older_checkpoint_reads_each_step_once(run_path):
     frame = run.frame
     assert sorted(frame.loc[frame.kind == "step", "step"]) == list(range(10))
     assert any("rank 0: steps 5..9 were recorded again by a later process" in w for w in run.warnings)
-    from ampdoctor.reports.summary import build_report
+    from ampdoctor.analysis.report import build_report
     assert build_report(run)["run"]["steps"] == 10
 
 

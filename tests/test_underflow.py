@@ -50,7 +50,7 @@ def test_low_scale_shows_underflow_high_scale_shows_none(tmp_path):
 
 
 def _layer_rates(path):
-    from ampdoctor.reports.summary import layers_report
+    from ampdoctor.analysis.report import layers_report
     return {r["name"]: r for r in layers_report(path)["layers"] if r["kind"] == "param_grad"}
 
 

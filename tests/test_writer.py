@@ -314,7 +314,7 @@ def test_dropped_steps_are_written_into_the_run_and_reported(run_path, monkeypat
     assert run.dropped_steps == dropped  # the writer's last segment carries its count
     assert any(w.startswith(f"{dropped} step(s) were not recorded") for w in run.warnings)
     assert len(_steps(run_path)) == 60 - dropped
-    from ampdoctor.reports.summary import build_report
+    from ampdoctor.analysis.report import build_report
     assert any(f"{dropped} step(s) were not recorded" in w for w in build_report(run_path)["warnings"])
 
 

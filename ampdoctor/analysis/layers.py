@@ -11,7 +11,7 @@ output gradient whose values all sit on the AMP format's grid (an fp16 gradient 
 on its way into a LayerNorm) in the AMP format.
 
 * ``underflow_rate``: estimated elements lost to underflow over elements observed (see
-  :mod:`ampdoctor.reports.underflow` for the definition and the estimate);
+  :mod:`ampdoctor.analysis.underflow` for the definition and the estimate);
 * ``zero_rate``, ``subnormal_rate``: recorded zeros and subnormals over elements observed;
 * ``headroom_log2``: the smallest headroom seen, ``log2(format max / (amax · S))`` over the
   observations that were finite (negative: it overflowed the format);

@@ -1,7 +1,7 @@
 """Recommended loss-scaler settings: a search over configurations with the simulator.
 
 Every candidate (init_scale 2^0..2^24, growth_interval 100..10000, growth and backoff factors) is
-replayed on the recorded steps (:mod:`ampdoctor.reports.simulate`). Its cost is
+replayed on the recorded steps (:mod:`ampdoctor.analysis.simulate`). Its cost is
 ``skipped + steady + uncertain / 2 + UNDERFLOW_WEIGHT · steps · underflow_rate``: an underflow rate of
 0.1% over the whole run costs as much as skipping 1% of its steps. ``steady`` counts the skips of a
 second pass over the recorded steps, continuing from the first pass's scaler state, so that a
@@ -16,7 +16,7 @@ spike), unless the current settings are among them, which the run itself showed 
 one that changes fewest settings; then torch's defaults; then the init_scale and then the
 growth_interval closest to torch's defaults (the underflow is already within the tolerance).
 
-Underflow is compared by its lower bound: the undecided zeros (:mod:`~ampdoctor.reports.simulate`)
+Underflow is compared by its lower bound: the undecided zeros (:mod:`~ampdoctor.analysis.simulate`)
 add about the same to every candidate's upper bound, so they do not change the ranking; the
 contract reports each range.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hooks import ROOT_NAME
-from .formatting import percent, scale_str
+from ..render.formatting import percent, scale_str
 from .simulate import Outcome, Replay, ScalerConfig, replay, underflow_fields
 
 UNDERFLOW_WEIGHT = 10.0

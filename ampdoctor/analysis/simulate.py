@@ -5,9 +5,9 @@ of all gradients, and what the scaler did. A candidate configuration is replayed
 step *overflows* when ``amax · S`` exceeds the overflow threshold T, and then it is skipped and the
 scale backs off; otherwise the scale grows every ``growth_interval`` good steps, as in
 ``torch.amp.GradScaler`` (plus Megatron/DeepSpeed-style hysteresis and min/max scale). Underflow at
-each step's scale comes from :class:`~ampdoctor.reports.underflow.UnderflowModel`, as a range:
+each step's scale comes from :class:`~ampdoctor.analysis.underflow.UnderflowModel`, as a range:
 the *undecided* zeros, between each tensor's estimate and its upper bound
-(:func:`~ampdoctor.reports.underflow.underflow_bounds`: gradients that were 0 everywhere, zero lines
+(:func:`~ampdoctor.analysis.underflow.underflow_bounds`: gradients that were 0 everywhere, zero lines
 of a tensor reaching the cut-off), count towards the upper bound (``underflow_rate_max``) at any
 scale and not towards the lower one (``underflow_rate_min``): nothing recorded says how far below
 the cut-off they were, or whether they are structure. ``underflow_rate`` is the point value when
@@ -43,7 +43,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..formats import FLOAT16, FloatFormat
-from .formatting import scale_str
+from ..render.formatting import scale_str
 from .origins import nonfinite_rows
 from .underflow import UnderflowModel, underflow_bounds
 

@@ -55,7 +55,7 @@ import pandas as pd
 from ..run import Run, to_frame
 from .origins import find_origins, nonfinite_rows, origin_counts, rows_at
 from .simulate import actual_outcome
-from .summary import Analysis, analyse
+from .report import Analysis, analyse
 
 SKIP_RUN = 5                 # skipped steps in a row (after start-up) that make an event
 SCALE_FLOOR = 1.0            # a scale below this means overflow without any loss scaling

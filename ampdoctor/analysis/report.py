@@ -2,7 +2,7 @@
 in the JSON contracts of DESIGN.md (plus a ``charts`` key for the HTML renderer).
 
 Reads only the columns each part needs: the step rows once, the other rows in one streaming pass
-(:func:`~ampdoctor.reports.layers.scan_layers`), and the rows of anomalous steps for the origins.
+(:func:`~ampdoctor.analysis.layers.scan_layers`), and the rows of anomalous steps for the origins.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def simulate_run(run: Run | str | os.PathLike, **settings) -> dict:
 
 def _predicted_layers(a: Analysis, outcome) -> list[dict]:
     """Per parameter: the underflow predicted at the simulated scale of its sampled steps, as a
-    range where the record leaves zeros undecided (see :mod:`~ampdoctor.reports.simulate`)."""
+    range where the record leaves zeros undecided (see :mod:`~ampdoctor.analysis.simulate`)."""
     from .layers import _hist_matrix
     from .underflow import UnderflowModel, underflow_bounds
 

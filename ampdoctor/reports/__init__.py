@@ -1,1 +1,0 @@
-"""Analyses of a loaded run (pure functions returning plain data) and their renderers."""
