@@ -1,4 +1,4 @@
-"""The run file's Arrow schema, its version and its metadata keys (DESIGN.md, "The run file")."""
+"""The run file's Arrow schema, its version and its metadata keys (docs/run-file.md)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ SCHEMA_VERSION = 1
 HIST_MIN_EXP = -56
 HIST_BINS = 64
 
-KINDS = ("step", "param_grad", "grad_output", "output", "param")
-
-# Metadata keys present in every segment (all values are strings).
+# Metadata keys (all values are strings). Every segment carries these; the scaler keys are absent
+# for a disabled scaler, and older runs may lack the later ones (readers treat absent as unknown).
 META_SCHEMA_VERSION = "ampdoctor.schema_version"
 META_VERSION = "ampdoctor.version"
 META_TORCH_VERSION = "torch.version"
@@ -21,11 +20,44 @@ META_WRITER = "ampdoctor.writer"          # one writer = one recording process o
 META_SEGMENT = "ampdoctor.segment"        # 0-based segment number within the writer
 META_FINAL = "ampdoctor.final"            # "true" on the segment written by close()
 META_RANK = "rank"
+META_WORLD_SIZE = "world_size"
+META_DEVICE = "device"                    # device type of the gradients: "cuda", "cpu", ...
+META_AMP_DTYPE = "amp.dtype"              # autocast dtype: "float16", "bfloat16" or "float32"
+META_SCALER_CLASS = "scaler.class"
+META_SCALER_ENABLED = "scaler.enabled"    # "true" / "false"
+META_INIT_SCALE = "scaler.init_scale"     # the scale when recording started
+META_GROWTH_FACTOR = "scaler.growth_factor"
+META_BACKOFF_FACTOR = "scaler.backoff_factor"
+META_GROWTH_INTERVAL = "scaler.growth_interval"
+META_HIST_MIN_EXP = "hist.min_exp"
+META_HIST_BINS = "hist.bins"
+META_RUN_ID = "run.id"
+META_RUN_STARTED = "run.started"          # ISO 8601 with time zone, one-second resolution
+META_LEVEL = "record.level"               # "steps", "params" or "full"
+META_DROPPED_STEPS = "record.dropped_steps"
+
+# The scaler's settings as metadata keys, by ScalerConfig field name.
+SCALER_META = {"init_scale": META_INIT_SCALE, "growth_factor": META_GROWTH_FACTOR,
+               "backoff_factor": META_BACKOFF_FACTOR, "growth_interval": META_GROWTH_INTERVAL}
+
 META_KEYS = (
-    META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, "scaler.class", "scaler.init_scale",
-    "scaler.growth_factor", "scaler.backoff_factor", "scaler.growth_interval", "amp.dtype", "device",
-    "world_size", "hist.min_exp", "hist.bins", "run.id", "run.started", "record.level", "record.dropped_steps",
+    META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, META_WRITER, META_SEGMENT, META_FINAL, META_RANK,
+    META_WORLD_SIZE, META_DEVICE, META_AMP_DTYPE, META_SCALER_CLASS, META_SCALER_ENABLED, *SCALER_META.values(),
+    META_HIST_MIN_EXP, META_HIST_BINS, META_RUN_ID, META_RUN_STARTED, META_LEVEL, META_DROPPED_STEPS,
 )
+
+
+def meta_number(text: str | None) -> int | float | None:
+    """A numeric metadata value: an int where it is integral, else a float; None when absent,
+    empty (a disabled scaler in older runs) or not a number."""
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() else value
+
 
 _STRING = pa.dictionary(pa.int32(), pa.string())
 
