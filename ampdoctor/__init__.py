@@ -13,24 +13,27 @@ __version__ = "0.1.0"
 
 from .errors import AmpdoctorError, RecorderError, RunError  # noqa: E402
 
-_LAZY = {"GradScaler": "scaler", "wrap": "scaler", "unwrap": "scaler", "load": "run", "read_run": "run",
-         "Run": "run", "find_origins": "analysis.origins", "postmortem": "analysis.postmortem"}
+# name → (module, its attribute)
+_LAZY = {"GradScaler": ("scaler", "GradScaler"), "wrap": ("scaler", "wrap"), "unwrap": ("scaler", "unwrap"),
+         "load": ("run", "load"), "read_run": ("run", "read_run"), "Run": ("run", "Run"),
+         "find_origins": ("analysis.origins", "find_origins"),
+         "report": ("contracts", "report"), "postmortem": ("contracts", "postmortem")}
 
 if TYPE_CHECKING:
     from .analysis.origins import find_origins
-    from .analysis.postmortem import postmortem
+    from .contracts import postmortem, report
     from .run import Run, load, read_run
     from .scaler import GradScaler, unwrap, wrap
 
-__all__ = ["GradScaler", "wrap", "unwrap", "load", "read_run", "Run", "find_origins", "postmortem",
+__all__ = ["GradScaler", "wrap", "unwrap", "load", "read_run", "Run", "find_origins", "report", "postmortem",
            "AmpdoctorError", "RecorderError", "RunError", "__version__"]
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(f".{module}", __name__), attribute)
     globals()[name] = value  # once: later lookups are plain attribute reads
     return value
 

@@ -3,7 +3,7 @@
 An *anomaly* is a skipped step, a non-finite loss or parameter, or the scale falling below
 ``scale_floor``. Each step's scalars are checked once their copy has landed (its fence has
 passed: ``query()``, never a wait, except at close); a skip that torch's ``step()`` already saw
-on the host is acted on at once. On an anomaly the flight recorder's light steps of the
+on the host is acted on at once. On an anomaly the flight recorder's steps of the
 ``flight_steps`` before it are written out, the next steps are escalated (:mod:`ampdoctor.plan`),
 and the training thread waits for the writer to put the rows on disk, except inside a run of
 skipped steps.
@@ -18,12 +18,15 @@ import time
 import torch
 
 from .plan import StepPlan
-from .records import FlightRecord, LightStep, read_scalars
+from .records import FlightRecord, FlightStep, read_scalars
 from .transfer import Fence, HostCopies
 from .writer import RunWriter
 
 
 class AnomalyWatch:
+    """Checks each step's scalars once they have landed, keeps the flight recorder, and reacts to
+    an anomaly (flight record, escalation, writer sync). Training thread; never syncs the device."""
+
     def __init__(self, plan: StepPlan, writer: RunWriter, copies: HostCopies, *, rank: int, flight_steps: int,
                  scale_floor: float | None, start_step: int) -> None:
         self._plan, self._writer, self.copies = plan, writer, copies
@@ -31,7 +34,7 @@ class AnomalyWatch:
         # Entries leave the flight recorder once their step and the F-1 steps after it are checked
         # (fused optimizers do not sync in step(), so checks can lag); the cap bounds a lag that
         # never ends (a disabled scaler that never syncs).
-        self.flight: collections.deque[LightStep] = collections.deque(maxlen=4 * flight_steps + 64)
+        self.flight: collections.deque[FlightStep] = collections.deque(maxlen=4 * flight_steps + 64)
         self.pending: collections.deque = collections.deque()  # (step, host scalars, fence)
         self.checked_until = start_step   # steps below this have been checked
         self.last_scalars: torch.Tensor | None = None  # host scalars of the last checked step
@@ -40,13 +43,14 @@ class AnomalyWatch:
         self._last_checked_anomaly = -2    # a run of anomalous steps waits for the writer once
         self._below_floor = False
 
-    def step_done(self, step: int, scalars: torch.Tensor | None, fence: Fence | None, light: LightStep | None,
+    def step_done(self, step: int, scalars: torch.Tensor | None, fence: Fence | None, flight_step: FlightStep | None,
                   *, skipped_on_host: bool) -> None:
-        """``step``'s record is queued: keep its light peaks and its scalars for the check; act on
-        a skip seen on the host; then check the steps whose copies have landed. No sync."""
-        if light is not None:
-            light.scalars, light.event = scalars, fence
-            self.flight.append(light)
+        """``step``'s record is queued: keep its module peaks (``flight_step``, when its module taps
+        were light) in the flight recorder and its scalars for the check; act on a skip seen on the
+        host; then check the steps whose copies have landed. No sync."""
+        if flight_step is not None:
+            flight_step.scalars, flight_step.event = scalars, fence
+            self.flight.append(flight_step)
         if skipped_on_host:
             self.on_anomaly(step, step, seen_on_host=True)
         self.pending.append((step, scalars, fence))
@@ -72,11 +76,11 @@ class AnomalyWatch:
             self.checked_until = step + 1
             if scalars is not None:
                 self.last_scalars = scalars
-            scale, skipped, loss, params = read_scalars(scalars)
-            below = self._scale_floor is not None and scalars is not None and scale < self._scale_floor
-            fatal = ((loss is not None and not math.isfinite(loss))
-                     or (params is not None and not math.isfinite(params)))
-            if skipped or fatal or (below and not self._below_floor):
+            values = read_scalars(scalars)
+            below = self._scale_floor is not None and scalars is not None and values.scale < self._scale_floor
+            fatal = ((values.loss is not None and not math.isfinite(values.loss))
+                     or (values.param_peak is not None and not math.isfinite(values.param_peak)))
+            if values.skipped or fatal or (below and not self._below_floor):
                 self.on_anomaly(step, current_step, fatal=fatal)
             self._below_floor = below
         # A checked step can still be in the window of an anomaly up to flight_steps - 1 later.

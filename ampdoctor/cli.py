@@ -155,10 +155,9 @@ def report(run: Run, fmt: str, top: int, output: str | None) -> None:
     """What happened to the loss scale, which layers underflow or lack headroom, where overflows
     came from, and which GradScaler settings to use instead."""
     from . import render
-    from .analysis.report import build_report
+    from .analysis.report import report_data
 
-    data = build_report(run)
-    _emit(render.report(data, fmt, color=output is None and _color(), top=top), output)
+    _emit(render.report(report_data(run), fmt, color=output is None and _color(), top=top), output)
 
 
 @main.command()
@@ -180,10 +179,10 @@ def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
     """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
     underflow, next to what the run actually did."""
     from . import render
-    from .analysis.report import simulate_run
+    from .analysis.simulate import simulate_data
 
     try:
-        data = simulate_run(run, **settings)
+        data = simulate_data(run, **settings)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     _emit(render.simulate(data, fmt), output)
@@ -200,9 +199,9 @@ def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
 def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -> None:
     """The per-layer table: underflow, zero and subnormal rates, headroom, amax and amin."""
     from . import render
-    from .analysis.report import layers_report
+    from .analysis.layers import layers_data
 
-    _emit(render.layers(layers_report(run, sort, top), fmt), output)
+    _emit(render.layers(layers_data(run, sort, top), fmt), output)
 
 
 @main.command()
@@ -214,9 +213,9 @@ def postmortem(run: Run, fmt: str, output: str | None) -> None:
     """Why the loss (or the parameters) went non-finite: the first event, its cause and origin,
     the steps that led there, and what to change. Exit 0 either way; `status` says which."""
     from . import render
-    from .analysis.postmortem import postmortem as analyse_run
+    from .analysis.postmortem import postmortem_data
 
-    _emit(render.postmortem(analyse_run(run), fmt, color=output is None and _color()), output)
+    _emit(render.postmortem(postmortem_data(run), fmt, color=output is None and _color()), output)
 
 
 def _demo_help() -> str:
@@ -256,11 +255,11 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
     from . import render
 
     if explained_by == "postmortem":
-        from .analysis.postmortem import postmortem as analyse_run
-        text = render.postmortem(analyse_run(result.path), "text", color=_color())
+        from .analysis.postmortem import postmortem_data
+        text = render.postmortem(postmortem_data(result.path), "text", color=_color())
     else:
-        from .analysis.report import build_report
-        text = render.report(build_report(result.path), "text", color=_color())
+        from .analysis.report import report_data
+        text = render.report(report_data(result.path), "text", color=_color())
     click.echo(f"Wrote {result.path}.\n")
     click.echo(text)
 

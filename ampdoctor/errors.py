@@ -1,6 +1,7 @@
 """Exceptions raised by ampdoctor's library API.
 
-The CLI turns :class:`RunError` into a one-line message with exit code 2; nothing here prints.
+The CLI turns every :class:`AmpdoctorError` into a one-line message (:func:`one_line`) with exit
+code 2; nothing here prints.
 """
 
 

@@ -1,10 +1,13 @@
-"""The numeric facts of the floating-point formats that mixed precision uses (DESIGN.md glossary)."""
+"""The numeric facts of the floating-point formats that mixed precision uses (docs/numerics.md, Formats)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # no torch at run time: reading a run needs none
+    import torch
 
 
 @dataclass(frozen=True)
@@ -21,9 +24,9 @@ class FloatFormat:
 
 
 FLOAT16 = FloatFormat("float16", 65504.0, 2.0**-14, 2.0**-24)
-BFLOAT16 = FloatFormat("bfloat16", float(torch.finfo(torch.bfloat16).max), 2.0**-126, 2.0**-133)
-FLOAT32 = FloatFormat("float32", float(torch.finfo(torch.float32).max), 2.0**-126, 2.0**-149)
-FLOAT64 = FloatFormat("float64", float(torch.finfo(torch.float64).max), 2.0**-1022, 2.0**-1074)
+BFLOAT16 = FloatFormat("bfloat16", (2 - 2.0**-7) * 2.0**127, 2.0**-126, 2.0**-133)
+FLOAT32 = FloatFormat("float32", (2 - 2.0**-23) * 2.0**127, 2.0**-126, 2.0**-149)
+FLOAT64 = FloatFormat("float64", sys.float_info.max, 2.0**-1022, 2.0**-1074)
 FLOAT8_E4M3FN = FloatFormat("float8_e4m3fn", 448.0, 2.0**-6, 2.0**-9)
 FLOAT8_E5M2 = FloatFormat("float8_e5m2", 57344.0, 2.0**-14, 2.0**-16)
 
@@ -34,9 +37,7 @@ _ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "f
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.float16`` or ``"fp16"`` → ``"float16"``."""
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    name = dtype.removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.")  # str(torch.float16) == "torch.float16"
     return _ALIASES.get(name, name)
 
 

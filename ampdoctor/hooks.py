@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Union
 import torch
 from torch import nn
 
-ROOT_NAME = "(model)"  # the name rows of the model itself carry (its qualified name is "")
+from .schema import ROOT_NAME
+
 _WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # never tapped
 
 # Modules that only hold other modules: tapping them would repeat their last child's rows.
@@ -71,7 +72,7 @@ class TapSink(Protocol):
 _WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
-def unwrap_compiled(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The model inside ``torch.compile`` (OptimizedModule) and DistributedDataParallel
     wrappers, or ``model`` itself: the module whose names are the user's."""
     while True:
@@ -107,7 +108,7 @@ def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple
     """
     match = _matcher(modules)
     out = []
-    for name, m in unwrap_compiled(model).named_modules():
+    for name, m in unwrap_model(model).named_modules():
         name = clean_name(name) or ROOT_NAME
         if type(m).__name__ in _WRAPPER_CLASSES or isinstance(m, torch.jit.ScriptModule):
             continue  # a wrapper's output is its wrapped module's; TorchScript refuses hooks
@@ -203,10 +204,6 @@ class ModuleTaps:
         self._local = threading.local()  # per-thread call stack (recomputation runs in backward)
         self.reset()
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
     def install(self) -> None:
         """Register the module hooks (between iterations). Idempotent."""
         if self._handles:
@@ -222,8 +219,8 @@ class ModuleTaps:
             raise
 
     def remove(self) -> None:
-        """Remove every module hook; tensor hooks still on live tensors become no-ops (they check
-        ``installed``). Idempotent."""
+        """Remove every module hook; tensor hooks still on live tensors become no-ops (they
+        return at once while no module hook is installed). Idempotent."""
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()

@@ -11,9 +11,8 @@ import torch
 
 from .formats import float_format
 from .hooks import ModuleFilter
-from .schema import HIST_BINS, HIST_MIN_EXP
+from .schema import HIST_BINS, HIST_MIN_EXP, LEVELS
 
-LEVELS = ("steps", "params", "full")
 # Full statistics of the gradients every 100 steps; of the module taps (about ten times the
 # elements of the gradients in a transformer) every 1000, unless ``every`` is set explicitly.
 DEFAULT_EVERY = 100

@@ -1,15 +1,20 @@
 """What each step records: integer logic over step numbers, no tensors.
 
 A step is *sampled* every ``every`` steps (full statistics of the gradients: counts and
-histograms) and its module taps every ``module_every``; after an anomaly the next
-``escalate_steps`` steps are *escalated*: full statistics of the gradients, a row per parameter
-and full module taps, whatever the level. Other steps are *light*: at ``level="full"`` the taps
-keep only each tensor's min and max, for the flight recorder.
+histograms) and *module-sampled* every ``module_every`` (full statistics of the module taps, at
+``level="full"``); after an anomaly the next ``escalate_steps`` steps are *escalated*: full
+statistics of the gradients, a row per parameter and full module taps, whatever the level. Other
+steps are *light*: light statistics of the gradients and, at ``level="full"`` with a flight
+recorder, light module taps (each tensor's min and max), kept for the flight recorder.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 from .options import RecordOptions
+
+Statistics = Literal["full", "light"]
 
 
 class StepPlan:
@@ -24,16 +29,18 @@ class StepPlan:
     def escalated(self, step: int) -> bool:
         return step < self.escalate_until
 
-    def detailed(self, step: int) -> bool:
-        """Whether ``step``'s gradients get the full statistics."""
-        return step % self.every == 0 or self.escalated(step)
+    def gradient_stats(self, step: int) -> Statistics:
+        """What ``step``'s gradients get: ``"full"`` on sampled and escalated steps, else ``"light"``."""
+        return "full" if step % self.every == 0 or self.escalated(step) else "light"
 
     def per_tensor(self, step: int) -> bool:
-        """Whether ``step`` writes a row per parameter (else only the step row)."""
+        """Whether ``step`` writes a row per parameter gradient (else only the step row)."""
         return self.level != "steps" or self.escalated(step)
 
-    def tap_mode(self, step: int) -> str | None:
-        """What the module taps record in ``step``: None, ``"light"`` (min and max) or ``"full"``."""
+    def module_stats(self, step: int) -> Statistics | None:
+        """What ``step``'s module taps record: ``"full"`` on escalated steps and, at
+        ``level="full"``, module-sampled ones; ``"light"`` on other steps at ``level="full"``
+        when there is a flight recorder; else None (no taps)."""
         if self.escalated(step):
             return "full"
         if self.level != "full":

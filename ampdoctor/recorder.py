@@ -12,7 +12,8 @@ recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
 The rooms around it: what each step records (:mod:`ampdoctor.plan`), parameters named and grouped
 (:mod:`ampdoctor.parameters`), module taps (:mod:`ampdoctor.hooks`, calling ``observe_tap``),
 anomalies and the flight recorder (:mod:`ampdoctor.anomalies`), the run id and rank
-(:mod:`ampdoctor.run_identity`), and the end of the process (:mod:`ampdoctor.shutdown`).
+(:mod:`ampdoctor.run_identity`), the segments' metadata (:mod:`ampdoctor.run_metadata`), and the
+end of the process (:mod:`ampdoctor.shutdown`).
 """
 
 from __future__ import annotations
@@ -26,23 +27,22 @@ import warnings
 import weakref
 from typing import Iterable
 
-import numpy as np
 import torch
 
-from . import __version__, shutdown
+from . import shutdown
+from .anomalies import AnomalyWatch
 from .errors import RecorderError
 from .formats import dtype_name, float_format
-from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_compiled
-from .anomalies import AnomalyWatch
+from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
 from .options import RecordOptions, default_path
 from .parameters import ParameterIndex
 from .plan import StepPlan
-from .records import (FlightRecord, GroupRecord, LightStep, ParamPeaks, ParamRecord, StepRecord, TapObservation,
-                      merge_params, read_scalars)
+from .records import (FlightStep, GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObservation, merge_params,
+                      pack_scalars)
 from .rows import materialize
 from .run_identity import env_run_id, rank_and_world, shared_run_id
-from .schema import META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, SCHEMA_VERSION
-from .stats import DeviceStats, SlotLayouts, extremes, light_stats, peak_magnitudes, peaks, tensor_stats
+from .run_metadata import RunMetadata
+from .stats import FullStats, SlotLayouts, extremes, full_stats, light_stats, peaks_from_extremes, tensor_peaks
 from .transfer import HostCopies
 from .writer import RunWriter
 
@@ -83,7 +83,7 @@ class Recorder:
         self._observed: set[int] = set()
         self._groups: list[GroupRecord] = []
         self._loss: torch.Tensor | None = None
-        self._params: list[ParamPeaks] = []      # this iteration's parameter checks, per optimizer
+        self._params: list[ParamCheck] = []      # this iteration's parameter checks, per optimizer
         self._params_checked: set[int] = set()
         self._param_optimizers: weakref.WeakSet = weakref.WeakSet()  # for the check at the end
         self._last_param_check = start_step - 1  # the last step whose parameter check was queued
@@ -97,7 +97,7 @@ class Recorder:
         self._amp_dtype = dtype_name(options.amp_dtype) if options.amp_dtype is not None else None
         # Module taps, the flight recorder and escalation.
         self._taps: ModuleTaps | None = None
-        self._tap_mode: str | None = None       # None, "light" or "full" for the step in progress
+        self._module_stats: str | None = None   # what module taps record in the step in progress (plan.py)
         self._tap_obs: list[TapObservation] = []
         self._dropped_taps = 0
         self._warned_dropped = False
@@ -112,17 +112,12 @@ class Recorder:
         self._scaler_enabled = scaler.is_enabled()
         self.rank, self.world_size = rank_and_world(options.rank)
         self.run_id = run_id or env_run_id() or uuid.uuid4().hex
-        self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
         # over skipped steps to the step that wrote it: check after every step.
         self._params_every_step = options.check_params == "always" or not scaler.is_enabled()
-        meta = {"scaler.class": scaler_class, "scaler.enabled": str(scaler.is_enabled()).lower(),
-                "scaler.init_scale": str(_current_scale(scaler)), "device": self.device_type}
-        for name in ("growth_factor", "backoff_factor", "growth_interval"):  # a disabled torch scaler has none
-            if hasattr(scaler, f"_{name}"):
-                meta[f"scaler.{name}"] = str(getattr(scaler, f"_{name}"))
-        self._scaler_meta = meta
-        inner = unwrap_compiled(model) if model is not None else None
+        self._run_metadata = RunMetadata(scaler, scaler_class, options, device_type=self.device_type,
+                                         world_size=self.world_size)
+        inner = unwrap_model(model) if model is not None else None
         self._parameters = ParameterIndex(
             {id(p): clean_name(n) for n, p in inner.named_parameters()} if inner is not None else {})
         if inner is not None:
@@ -245,11 +240,6 @@ class Recorder:
     def amp_dtype(self) -> str:
         return self._amp_dtype or "float16"
 
-    @property
-    def tap_mode(self) -> str | None:
-        """What the module taps record this step: None, ``"light"`` (peaks) or ``"full"``."""
-        return self._tap_mode
-
     @_guarded
     def observe_loss(self, outputs: torch.Tensor | Iterable, scale: torch.Tensor | None = None) -> None:
         """Add the unscaled value(s) passed to ``scale()`` to this iteration's loss; ``scale`` is
@@ -263,17 +253,17 @@ class Recorder:
     def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
         """Statistics of a tensor a module tap saw (``output``, or ``grad_output``: still scaled).
         Called from module and tensor hooks. Does not sync."""
-        mode = self._tap_mode
-        if mode is None:
+        what = self._module_stats
+        if what is None:
             return
         if len(self._tap_obs) >= MAX_TAP_ROWS_PER_STEP:
             self._dropped_taps += 1
             return
-        if mode == "light":
-            stats: DeviceStats | tuple = extremes(tensor)
+        if what == "light":
+            stats: FullStats | tuple = extremes(tensor)
         else:
             inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
-            stats = tensor_stats([tensor], inv_scale=inv,
+            stats = full_stats([tensor], inv_scale=inv,
                                  subnormal_below=float_format(tensor.dtype).smallest_normal,
                                  hist_min_exp=self.options.hist_min_exp,
                                  hist_bins=self.options.hist_bins, layouts=self._layouts, lines="features")
@@ -302,15 +292,15 @@ class Recorder:
             # from the device, a step later)
             handle = optimizer.register_step_pre_hook(ModuleHook(optimizer, self._optimizer_ran))
             self._step_hooks[id(optimizer)] = (weakref.ref(optimizer), handle)
-        detailed = self._plan.detailed(self.step)
+        full = self._plan.gradient_stats(self.step) == "full"
         per_tensor = self._plan.per_tensor(self.step)
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
-        groups = self._parameters.gradient_groups(optimizer, check=detailed)
+        groups = self._parameters.gradient_groups(optimizer, check=full)
         for (device, dtype), (names, numels, tensors) in groups.items():
             inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
-            if detailed:
-                stats = tensor_stats(tensors, inv_scale=inv, subnormal_below=below, per_tensor=per_tensor,
+            if full:
+                stats = full_stats(tensors, inv_scale=inv, subnormal_below=below, per_tensor=per_tensor,
                                      hist_min_exp=self.options.hist_min_exp,
                                      hist_bins=self.options.hist_bins, layouts=self._layouts)
             else:
@@ -327,12 +317,13 @@ class Recorder:
 
     @_guarded
     def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer.step()``: each parameter's peak magnitude (NaN and inf propagate),
-        :func:`~ampdoctor.stats.peaks` per (device, dtype). Kept on the device; the step's largest
-        rides in its scalars, so a non-finite parameter is an anomaly. Does not sync.
+        """The parameter check, after ``optimizer.step()``: each parameter's peak magnitude (NaN
+        and inf propagate), :func:`~ampdoctor.stats.tensor_peaks` per (device, dtype). Kept on the
+        device; the step's largest rides in its scalars, so a non-finite parameter is an anomaly.
+        Does not sync.
 
-        With ``check_params=True`` this runs on detailed steps (sampled, and escalated after an
-        anomaly) and once more when the run closes; with ``"always"`` (or a disabled scaler)
+        With ``check_params=True`` this runs on the steps with full gradient statistics (sampled
+        and escalated) and once more when the run closes; with ``"always"`` (or a disabled scaler)
         after every step. Between checks a non-finite parameter still shows: the next forward's
         loss is non-finite, the steps skip (parameters unchanged) and the escalated steps check
         them; ``postmortem`` traces them back over the skipped steps to the step that wrote them."""
@@ -343,13 +334,13 @@ class Recorder:
         if not self.options.check_params or id(optimizer) in self._params_checked:
             return
         self._param_optimizers.add(optimizer)
-        if not (self._params_every_step or self._plan.detailed(self.step)):
+        if not (self._params_every_step or self._plan.gradient_stats(self.step) == "full"):
             return
         self._params_checked.add(id(optimizer))
         self._params.extend(self._check_params(optimizer))
 
-    def _check_params(self, optimizer: torch.optim.Optimizer) -> list[ParamPeaks]:
-        return [ParamPeaks(names, numels, peaks(tensors))
+    def _check_params(self, optimizer: torch.optim.Optimizer) -> list[ParamCheck]:
+        return [ParamCheck(names, numels, tensor_peaks(tensors))
                 for names, numels, tensors in self._parameters.param_groups(optimizer)]
 
     def _final_param_check(self) -> None:
@@ -369,42 +360,41 @@ class Recorder:
         self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, scalars, params,
                                     self._copies.seal()))
 
-    def _param_peak(self, device: torch.device) -> tuple[torch.Tensor, float]:
+    def _largest_param_peak(self, device: torch.device) -> tuple[torch.Tensor, bool]:
         """The largest parameter peak of the iteration on ``device`` (NaN if any is NaN), and
         whether there was one."""
         if not self._params:
-            return torch.zeros((), device=device), 0.0
-        tops = [p.peaks.to(device, non_blocking=True).max() for p in self._params if len(p.names)]
-        if not tops:
-            return torch.zeros((), device=device), 0.0
-        return torch.stack(tops).max(), 1.0
+            return torch.zeros((), device=device), False
+        maxima = [p.peaks.to(device, non_blocking=True).max() for p in self._params if len(p.names)]
+        if not maxima:
+            return torch.zeros((), device=device), False
+        return torch.stack(maxima).max(), True
 
     @_guarded
     def before_update(self, scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-        """Snapshot [scale, found_inf, loss, has_loss] before ``update()`` changes the scale in place."""
+        """The step's scalars (:func:`~ampdoctor.records.pack_scalars`), taken before ``update()``
+        changes the scale in place. No sync."""
         scale = getattr(scaler, "_scale", None)
         if not scaler.is_enabled() or scale is None:
             if self._loss is None and not self._params:
                 return None
             device = self._loss.device if self._loss is not None else self._params[0].peaks.device
-            peak, has_params = self._param_peak(device)
+            peak, has_params = self._largest_param_peak(device)
             loss = self._loss if self._loss is not None else torch.zeros((), device=device)
-            return torch.stack([torch.ones_like(loss), torch.zeros_like(loss), loss.float(),
-                                torch.full_like(loss, 1.0 if self._loss is not None else 0.0, dtype=torch.float32),
-                                peak, torch.full((), has_params, device=device)])
+            return pack_scalars(torch.ones_like(loss), torch.zeros_like(loss), loss, peak,
+                                has_loss=self._loss is not None, has_params=has_params)
         found = [f.to(scale.device, non_blocking=True)
                  for state in scaler._per_optimizer_states.values()
                  for f in state["found_inf_per_device"].values()]
         if not found:
             return None  # update() without step(): torch raises next, and we record nothing
         if self._loss is not None:
-            loss, has_loss = self._loss.to(scale.device, non_blocking=True), 1.0
+            loss = self._loss.to(scale.device, non_blocking=True)
         else:
-            loss, has_loss = torch.zeros((), device=scale.device), 0.0
-        peak, has_params = self._param_peak(scale.device)
-        return torch.stack([scale.float(), torch.stack(found).sum(), loss.float(),
-                            torch.full((), has_loss, device=scale.device), peak,
-                            torch.full((), has_params, device=scale.device)])
+            loss = torch.zeros((), device=scale.device)
+        peak, has_params = self._largest_param_peak(scale.device)
+        return pack_scalars(scale.float(), torch.stack(found).sum(), loss, peak,
+                            has_loss=self._loss is not None, has_params=has_params)
 
     @_guarded
     def after_update(self, scalars: torch.Tensor | None) -> None:
@@ -414,16 +404,16 @@ class Recorder:
             self.fail(self.writer.error)
             return
         taps, self._tap_obs = self._tap_obs, []
-        mode = self._tap_mode
+        module_stats = self._module_stats
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._plan.per_tensor(self.step),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
-                            taps=taps if mode == "full" else [], params=merge_params(self._params))
-        light = None
-        if mode == "light" and taps:
-            tops = peak_magnitudes([t.stats for t in taps], taps[0].stats[0].device)
+                            taps=taps if module_stats == "full" else [], params=merge_params(self._params))
+        flight_step = None
+        if module_stats == "light" and taps:
+            peaks = peaks_from_extremes([t.stats for t in taps], taps[0].stats[0].device)
             for t in taps:
                 t.stats = None
-            light = LightStep(self.step, taps, tops, None)
+            flight_step = FlightStep(self.step, taps, peaks, None)
         copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
         record.scalars = copy(scalars) if scalars is not None else None
         for item in (*record.groups, *record.taps):
@@ -431,7 +421,7 @@ class Recorder:
         if record.params is not None:
             record.params.peaks = copy(record.params.peaks)
         record.event = self._copies.seal()
-        if mode is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
+        if module_stats is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
             self._taps_off(f"no module tap fired in step {self.step} although gradients were "
                            "recorded: the model runs under torch.compile, or model= is not the "
                            "module being trained")
@@ -448,7 +438,8 @@ class Recorder:
         self._backward_scale, self._inv_scales = None, {}
         if not self.writer.put(record) and not self.writer.closed and not self.writer.failed:
             self._step_dropped()
-        self._anomalies.step_done(self.step, record.scalars, record.event, light, skipped_on_host=self._skipped_on_host)
+        self._anomalies.step_done(self.step, record.scalars, record.event, flight_step,
+                                  skipped_on_host=self._skipped_on_host)
         self._skipped_on_host = False
         self._optimizers_ran.clear()
         self.step += 1
@@ -460,17 +451,16 @@ class Recorder:
         warnings.warn(f"ampdoctor: {why}. Module rows are off; recording continues at "
                       "level='params'", RuntimeWarning, stacklevel=5)
         self._taps.remove()
-        self._taps, self._tap_mode = None, None
+        self._taps, self._module_stats = None, None
 
     def _plan_step(self) -> None:
         """Decide what the module taps record in the step about to start; (un)install them."""
         if self._taps is None:
-            self._tap_mode = None
+            self._module_stats = None
             return
-        mode = self._plan.tap_mode(self.step)
-        self._tap_mode = mode
+        self._module_stats = self._plan.module_stats(self.step)
         self._taps.reset()
-        if mode is None:
+        if self._module_stats is None:
             self._taps.remove()
             return
         try:
@@ -478,16 +468,10 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - e.g. a module type that refuses hooks
             self._taps_off(f"module taps could not be installed ({type(exc).__name__}: {exc})")
 
-    # -- worker thread -----------------------------------------------------------------------
     def _metadata(self) -> dict[str, str]:
-        return {
-            META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_VERSION: __version__,
-            META_TORCH_VERSION: torch.__version__, **self._scaler_meta,
-            "amp.dtype": self.amp_dtype, "world_size": str(self.world_size),
-            "hist.min_exp": str(self.options.hist_min_exp), "hist.bins": str(self.options.hist_bins),
-            "run.id": self.run_id, "run.started": self.started, "record.level": self.options.level,
-            "record.dropped_steps": str(self.dropped_steps),
-        }
+        """The metadata of a segment written now (writer thread)."""
+        return self._run_metadata(amp_dtype=self.amp_dtype, run_id=self.run_id, dropped_steps=self.dropped_steps)
+
 
 def _tensors(outputs) -> Iterable[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):
@@ -495,16 +479,6 @@ def _tensors(outputs) -> Iterable[torch.Tensor]:
     elif isinstance(outputs, (list, tuple)):
         for o in outputs:
             yield from _tensors(o)
-
-
-def _current_scale(scaler: torch.amp.GradScaler) -> float:
-    """The scale a recording starts from. Reads the device scale once (a sync) when wrapping a
-    scaler that has already been used; free for a new scaler."""
-    if not scaler.is_enabled():
-        return 1.0
-    if getattr(scaler, "_scale", None) is None:
-        return float(scaler._init_scale)
-    return float(scaler.get_scale())
 
 
 def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, options: RecordOptions, *,

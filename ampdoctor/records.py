@@ -6,14 +6,17 @@ Tensors in these records live on the device until the recorder copies them to th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .hooks import ModuleCall
-from .stats import DeviceStats, LightStats
+from .stats import FullStats, LightStats
 from .transfer import Fence
+
 
 @dataclass
 class GroupRecord:
@@ -22,7 +25,7 @@ class GroupRecord:
     names: list[str]
     dtype: str
     numels: np.ndarray
-    stats: DeviceStats | LightStats   # full statistics on detailed steps, else light ones
+    stats: FullStats | LightStats     # full statistics when the plan says so, else light ones
 
 
 @dataclass
@@ -34,7 +37,7 @@ class TapObservation:
     order: int
     dtype: str
     numel: int
-    stats: DeviceStats | tuple | None  # full statistics, or the (min, max) pair of a light step
+    stats: FullStats | tuple | None   # full statistics, or the (min, max) extremes of light ones
 
 
 @dataclass
@@ -43,16 +46,17 @@ class StepRecord:
     rank: int
     per_tensor: bool
     amp_dtype: str
-    scalars: torch.Tensor | None      # float32 [scale, found_inf, loss, has_loss, param_peak, has_params]
+    scalars: torch.Tensor | None      # see pack_scalars
     groups: list[GroupRecord] = field(default_factory=list)
-    taps: list[TapObservation] = field(default_factory=list)  # detailed steps only
-    params: "ParamPeaks | None" = None  # parameter peaks after optimizer.step()
+    taps: list[TapObservation] = field(default_factory=list)  # full module statistics only
+    params: "ParamCheck | None" = None  # the parameter check after optimizer.step()
     event: Fence | None = None        # to wait on before reading (None: nothing to wait for)
 
 
 @dataclass
-class ParamPeaks:
-    """``max |w|`` of each parameter after ``optimizer.step()`` (NaN/inf when it holds one)."""
+class ParamCheck:
+    """The parameter check: the peak ``max |w|`` of each parameter after ``optimizer.step()``
+    (NaN/inf when it holds one)."""
 
     names: list[str]
     numels: list[int]
@@ -68,14 +72,14 @@ class ParamRecord:
     rank: int
     amp_dtype: str
     scalars: torch.Tensor             # host scalars of ``step`` (see StepRecord)
-    params: ParamPeaks
+    params: ParamCheck
     event: Fence | None = None
 
 
 @dataclass
-class LightStep:
-    """A step's module peaks in the flight recorder: ``peaks[i]`` belongs to ``taps[i]``
-    (gradients still scaled by the step's scale)."""
+class FlightStep:
+    """One step in the flight recorder: the peaks of its light module taps, ``peaks[i]`` of
+    ``taps[i]`` (gradients still scaled by the step's scale)."""
 
     step: int
     taps: list[TapObservation]
@@ -89,24 +93,41 @@ class FlightRecord:
     """The flight recorder's steps, written out after an anomaly."""
 
     rank: int
-    steps: list[LightStep]
+    steps: list[FlightStep]
     event: Fence | None = None
 
 
-def read_scalars(scalars: torch.Tensor | None) -> tuple[float, bool, float | None, float | None]:
-    """(scale, skipped, loss or None, largest parameter peak or None) from a host copy of
-    before_update's snapshot."""
+class StepScalars(NamedTuple):
+    """A step's scalars, read on the host (:func:`read_scalars`)."""
+
+    scale: float
+    skipped: bool
+    loss: float | None        # None: no loss was passed to scale()
+    param_peak: float | None  # the largest parameter peak; None: no parameter check in the step
+
+
+def pack_scalars(scale: torch.Tensor, found_inf: torch.Tensor, loss: torch.Tensor, param_peak: torch.Tensor, *,
+                 has_loss: bool, has_params: bool) -> torch.Tensor:
+    """A step's scalars as one float32 vector on the device of the 0-dim ``loss``, the order
+    :func:`read_scalars` decodes: one copy to the host for all of them. No sync."""
+    flag = functools.partial(torch.full, (), dtype=torch.float32, device=loss.device)
+    return torch.stack([scale, found_inf, loss.float(), flag(float(has_loss)), param_peak, flag(float(has_params))])
+
+
+def read_scalars(scalars: torch.Tensor | None) -> StepScalars:
+    """The :class:`StepScalars` of a host copy of :func:`pack_scalars`' vector (None: a step
+    without scalars, scale 1)."""
     if scalars is None:
-        return 1.0, False, None, None
+        return StepScalars(1.0, False, None, None)
     scale, found_inf, loss, has_loss, peak, has_params = (float(v) for v in scalars.tolist())
-    return scale, found_inf > 0, (loss if has_loss else None), (peak if has_params else None)
+    return StepScalars(scale, found_inf > 0, loss if has_loss else None, peak if has_params else None)
 
 
-def merge_params(parts: list[ParamPeaks]) -> ParamPeaks | None:
-    """One :class:`ParamPeaks` for the iteration (every optimizer and device), on one device."""
+def merge_params(parts: list[ParamCheck]) -> ParamCheck | None:
+    """One :class:`ParamCheck` for the iteration (every optimizer and device), on one device."""
     parts = [p for p in parts if p.names]
     if not parts:
         return None
     device = parts[0].peaks.device
-    return ParamPeaks([n for p in parts for n in p.names], [k for p in parts for k in p.numels],
+    return ParamCheck([n for p in parts for n in p.names], [k for p in parts for k in p.numels],
                       torch.cat([p.peaks.to(device, non_blocking=True) for p in parts]))

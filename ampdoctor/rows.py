@@ -7,81 +7,126 @@ flight record's light rows (only ``amax``, the peak).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from .formats import float_format
-from .records import FlightRecord, LightStep, ParamPeaks, ParamRecord, StepRecord, TapObservation, read_scalars
+from .records import (FlightRecord, FlightStep, ParamCheck, ParamRecord, StepRecord, StepScalars, TapObservation,
+                      read_scalars)
 from .stats import HostStats
 
+Block = tuple[dict[str, np.ndarray], int]  # every column of the schema, and its number of rows
 
-def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: int):
+
+def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: int) -> tuple[list[Block], bool]:
     """Rows of one record, as ``([(columns, n_rows), ...], anomaly)``: a step row, one row
     per observed gradient, one per module observation; or a flight record's light rows. On the
     writer thread: waits for the record's fence first (a host-side wait)."""
     if record.event is not None:
         record.event.synchronize()
     if isinstance(record, FlightRecord):
-        for light in record.steps:  # their scalars came with their own step's copies
-            if light.event is not None:
-                light.event.synchronize()
-        return [_light_rows(s, record.rank) for s in record.steps], True
+        for flight_step in record.steps:  # their scalars came with their own step's copies
+            if flight_step.event is not None:
+                flight_step.event.synchronize()
+        return [_flight_rows(s, record.rank) for s in record.steps], True
     if isinstance(record, ParamRecord):
-        scale, skipped, _, _ = read_scalars(record.scalars)
-        common = dict(step=record.step, rank=record.rank, scale=scale, skipped=skipped)
-        block = _param_rows(record.params, common, float_format(record.amp_dtype).max)
+        step = _StepColumns.of(record.step, record.rank, read_scalars(record.scalars))
+        block = _param_rows(step, record.params, float_format(record.amp_dtype).max)
         return [block], not np.isfinite(block[0]["amax"][0])
-    scale, skipped, loss, param_peak = read_scalars(record.scalars)
-    parts = [HostStats.of(g.stats) for g in record.groups]
-    if parts:
-        merged = HostStats.concat(parts)
-        total = merged.total()
-    else:
-        merged, total = None, _empty_stats(hist_bins)
-    names = [""]
-    dtypes = [record.amp_dtype]
-    numels = [int(sum(g.numels.sum() for g in record.groups))]
-    stats = [total]
+    scalars = read_scalars(record.scalars)
+    step = _StepColumns.of(record.step, record.rank, scalars)
+    parts = [g.stats.decode() for g in record.groups]
+    merged = HostStats.concat(parts) if parts else None
+    labels = _Labels(["step"], [""], [record.amp_dtype], [int(sum(g.numels.sum() for g in record.groups))])
+    stats = [merged.total() if merged is not None else HostStats.empty(hist_bins)]
     if record.per_tensor and merged is not None:
         for g in record.groups:
-            names.extend(g.names)
-            dtypes.extend([g.dtype] * len(g.names))
-            numels.extend(g.numels.tolist())
+            labels.extend("param_grad", g.names, g.dtype, g.numels.tolist())
         stats.append(merged)
-    kinds = ["step"] + ["param_grad"] * (len(names) - 1)
-    common = dict(step=record.step, rank=record.rank, scale=scale, skipped=skipped)
-    blocks = [_block(**common, kinds=kinds, names=names, dtypes=dtypes, numels=numels,
-                     stats=_stat_columns(HostStats.concat(stats)), losses=[loss])]
+    blocks = [step.block(labels, _stat_columns(HostStats.concat(stats)), losses=[scalars.loss])]
     if record.taps:
-        taps = record.taps
-        blocks.append(_block(
-            **common, kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
-            dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps],
-            stats=_stat_columns(HostStats.concat([HostStats.of(t.stats) for t in taps])),
-            **_call_columns(taps)))
+        stats = HostStats.concat([t.stats.decode() for t in record.taps])
+        blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(stats), taps=record.taps))
     if record.params is not None:
-        blocks.append(_param_rows(record.params, common, float_format(record.amp_dtype).max))
-    anomaly = (skipped or (loss is not None and not np.isfinite(loss))
-               or (param_peak is not None and not np.isfinite(param_peak)))
+        blocks.append(_param_rows(step, record.params, float_format(record.amp_dtype).max))
+    anomaly = (scalars.skipped or (scalars.loss is not None and not np.isfinite(scalars.loss))
+               or (scalars.param_peak is not None and not np.isfinite(scalars.param_peak)))
     return blocks, anomaly
 
-def _light_rows(light: LightStep, rank: int) -> tuple[dict[str, np.ndarray], int]:
+
+@dataclass
+class _Labels:
+    """What each row of a block describes: its ``kind``, ``name``, ``dtype`` and ``numel``."""
+
+    kinds: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of_taps(cls, taps: list[TapObservation]) -> "_Labels":
+        return cls([t.kind for t in taps], [t.call.name for t in taps], [t.dtype for t in taps],
+                   [t.numel for t in taps])
+
+    def extend(self, kind: str, names: list[str], dtype: str, numels: list[int]) -> None:
+        """Rows of one kind and dtype."""
+        self.kinds.extend([kind] * len(names))
+        self.names.extend(names)
+        self.dtypes.extend([dtype] * len(names))
+        self.numels.extend(numels)
+
+
+@dataclass(frozen=True)
+class _StepColumns:
+    """The columns every row of one step repeats; builds its blocks."""
+
+    step: int
+    rank: int
+    scale: float
+    skipped: bool
+
+    @classmethod
+    def of(cls, step: int, rank: int, scalars: StepScalars) -> "_StepColumns":
+        return cls(step, rank, scalars.scale, scalars.skipped)
+
+    def block(self, labels: _Labels, stats: dict[str, np.ndarray], *, losses: list | None = None,
+              taps: list[TapObservation] | None = None) -> Block:
+        """One block of rows with every column of the schema; ``taps`` give the module rows'
+        call structure (``order``, ``call``, ``parent``, ``inputs``), null on other rows."""
+        n = len(labels.kinds)
+        return {
+            "step": np.full(n, self.step, dtype=np.int64),
+            "rank": np.full(n, self.rank, dtype=np.int32),
+            "kind": np.array(labels.kinds, dtype=object),
+            "name": np.array(labels.names, dtype=object),
+            "order": _objects(n, None if taps is None else [t.order for t in taps]),
+            "dtype": np.array(labels.dtypes, dtype=object),
+            "numel": np.array(labels.numels, dtype=np.int64),
+            "scale": np.full(n, self.scale, dtype=np.float32),
+            "skipped": np.full(n, self.skipped, dtype=bool),
+            "loss": _objects(n, losses),
+            **stats,
+            "call": _objects(n, None if taps is None else [t.call.call for t in taps]),
+            "parent": _objects(n, None if taps is None else [t.call.parent for t in taps]),
+            "inputs": _objects(n, None if taps is None else [list(t.call.inputs) for t in taps]),
+        }, n
+
+
+def _flight_rows(flight_step: FlightStep, rank: int) -> Block:
     """A flight-recorder step: only ``amax`` is measured, as the peak magnitude (NaN or inf
     when the tensor held one); the other statistics are null."""
-    scale, skipped, _, _ = read_scalars(light.scalars)
-    taps = light.taps
-    peaks = light.peaks.numpy().astype(np.float32)
-    inv = np.float32(1.0 / np.float64(scale))  # as torch's unscale_: fp32 1/scale
+    step = _StepColumns.of(flight_step.step, rank, read_scalars(flight_step.scalars))
+    taps = flight_step.taps
+    peaks = flight_step.peaks.numpy().astype(np.float32)
+    inv = np.float32(1.0 / np.float64(step.scale))  # as torch's unscale_: fp32 1/scale
     grads = np.array([t.kind == "grad_output" for t in taps])
     with np.errstate(over="ignore", invalid="ignore"):
         amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
-    stats = _light_columns(amax)
-    return _block(step=light.step, rank=rank, scale=scale, skipped=skipped,
-                  kinds=[t.kind for t in taps], names=[t.call.name for t in taps],
-                  dtypes=[t.dtype for t in taps], numels=[t.numel for t in taps], stats=stats,
-                  **_call_columns(taps))
+    return step.block(_Labels.of_taps(taps), _light_columns(amax), taps=taps)
 
 
-def _param_rows(params: ParamPeaks, common: dict, amp_max: float) -> tuple[dict[str, np.ndarray], int]:
+def _param_rows(step: _StepColumns, params: ParamCheck, amp_max: float) -> Block:
     """``param`` rows: one for all parameters together (name ""), plus one per parameter that
     is not finite or is beyond the AMP format's max (autocast would cast it to inf). Light rows:
     only ``amax``, the peak ``max |w|`` (NaN or inf when it held one)."""
@@ -90,12 +135,10 @@ def _param_rows(params: ParamPeaks, common: dict, amp_max: float) -> tuple[dict[
         bad = np.flatnonzero(~np.isfinite(peaks) | (peaks > amp_max))
     with np.errstate(invalid="ignore"):
         total = np.float32(np.nan) if np.isnan(peaks).any() else peaks.max()
-    names = [""] + [params.names[i] for i in bad]
-    numels = [int(sum(params.numels))] + [params.numels[i] for i in bad]
-    amax = np.concatenate([[total], peaks[bad]]).astype(np.float32)
-    n = len(names)
-    return _block(**common, kinds=["param"] * n, names=names, dtypes=["float32"] * n, numels=numels,
-                  stats=_light_columns(amax))
+    labels = _Labels()
+    labels.extend("param", [""] + [params.names[i] for i in bad], "float32",
+                  [int(sum(params.numels))] + [params.numels[i] for i in bad])
+    return step.block(labels, _light_columns(np.concatenate([[total], peaks[bad]]).astype(np.float32)))
 
 
 def _objects(n: int, values=None) -> np.ndarray:
@@ -121,36 +164,3 @@ def _stat_columns(s: HostStats) -> dict[str, np.ndarray]:
     return {"amax": s.amax, "amin": s.amin, "l2": s.l2, "n_zero": s.n_zero,
             "n_subnormal": s.n_subnormal, "n_nan": s.n_nan, "n_inf": s.n_inf, "hist": s.hist,
             "n_zero_lines": _objects(len(s.amax), [None if np.isnan(v) else int(v) for v in s.n_zero_lines])}
-
-
-def _call_columns(taps: list[TapObservation]) -> dict[str, list]:
-    return {"orders": [t.order for t in taps], "calls": [t.call.call for t in taps],
-            "parents": [t.call.parent for t in taps], "inputs": [list(t.call.inputs) for t in taps]}
-
-
-def _block(*, step: int, rank: int, scale: float, skipped: bool, kinds: list[str], names: list[str],
-           dtypes: list[str], numels: list[int], stats: dict[str, np.ndarray], losses=None,
-           orders=None, calls=None, parents=None, inputs=None) -> tuple[dict[str, np.ndarray], int]:
-    """One block of rows with every column of the schema."""
-    n = len(kinds)
-    return {
-        "step": np.full(n, step, dtype=np.int64),
-        "rank": np.full(n, rank, dtype=np.int32),
-        "kind": np.array(kinds, dtype=object),
-        "name": np.array(names, dtype=object),
-        "order": _objects(n, orders),
-        "dtype": np.array(dtypes, dtype=object),
-        "numel": np.array(numels, dtype=np.int64),
-        "scale": np.full(n, scale, dtype=np.float32),
-        "skipped": np.full(n, skipped, dtype=bool),
-        "loss": _objects(n, losses),
-        **stats,
-        "call": _objects(n, calls),
-        "parent": _objects(n, parents),
-        "inputs": _objects(n, inputs),
-    }, n
-
-
-def _empty_stats(bins: int) -> HostStats:
-    return HostStats(np.zeros(1, np.float32), np.full(1, np.nan, np.float32), np.zeros(1, np.float32),
-                     *(np.zeros(1, np.int64) for _ in range(4)), np.zeros((1, bins), np.int32))

@@ -1,4 +1,6 @@
-"""Load and validate a run: a segment directory (or one segment file), any number of ranks.
+"""Load and validate a run: a segment directory (or one segment file), any number of ranks;
+one run id chosen, superseded rows marked, the rows read on demand (docs/architecture.md,
+"Reading a run"). Each segment's footer is read and checked in :mod:`ampdoctor.segment`.
 
 Every way a path can fail to be a run raises :class:`RunError` with a one-line message. A
 truncated or half-written segment is skipped with a warning and the rest is still read.
@@ -6,12 +8,11 @@ truncated or half-written segment is skipped with a warning and the rest is stil
 
 from __future__ import annotations
 
-import math
 import os
-from datetime import datetime
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,24 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import __version__
 from .errors import RunError, one_line
-from .formats import FORMATS
-from .schema import (META_FINAL, META_RANK, META_SCHEMA_VERSION, META_SEGMENT, META_WRITER, SCHEMA_VERSION,
-                     run_schema)
-
-_MAGIC = b"PAR1"
-_TYPES = {f.name: f.type for f in run_schema()}
-
-
-@dataclass
-class Segment:
-    path: Path
-    rows: int
-    size: int
-    metadata: dict[str, str]
-    steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
-    until: int | None = None  # rows from this step on were superseded by a later process (read_run)
+from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
+                     META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
+                     META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION, meta_number)
+from .segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_segment
 
 
 @dataclass
@@ -77,7 +65,7 @@ class Run:
         latest: dict[str, tuple[int, int]] = {}
         for seg in self.segments:
             try:
-                number, count = int(seg.metadata.get(META_SEGMENT, 0)), int(seg.metadata.get("record.dropped_steps", 0))
+                number, count = int(seg.metadata.get(META_SEGMENT, 0)), int(seg.metadata.get(META_DROPPED_STEPS, 0))
             except ValueError:
                 continue
             writer = seg.metadata.get(META_WRITER, "")
@@ -109,7 +97,7 @@ class Run:
         tables = [t for t in (self._read(s, columns, kinds, steps) for s in self.segments) if t is not None]
         self._check_readable()
         if not tables:
-            return _empty_table(columns)
+            return empty_table(columns)
         try:
             return pa.concat_tables(tables, promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -211,17 +199,16 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     ignored_counts: dict[str, int] = {}  # metadata problems, once each with the segments they were in
     for f in files:
         try:
-            rows, meta, span, bins = _read_footer(f, single=not root.is_dir())
-        except _ForeignParquet:
+            segment, ignored = read_segment(f, single=not root.is_dir())
+        except ForeignParquet:
             foreign.append(f)
             continue
-        except _BadSegment as exc:
+        except BadSegment as exc:
             problems.append(one_line(f"skipped unreadable segment {f.name} ({exc})"))
             continue
-        meta, ignored = _checked_metadata(meta, bins)
         for message in ignored:
             ignored_counts[message] = ignored_counts.get(message, 0) + 1
-        segments.append(Segment(f, rows, f.stat().st_size, meta, span))
+        segments.append(segment)
     if not segments:
         if foreign:
             raise RunError(f"{root}: Parquet written by another tool, not an ampdoctor run "
@@ -243,13 +230,13 @@ def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[l
     """The segments of one run: ``run_id`` (or a unique prefix), else the latest started."""
     groups: dict[str, list[Segment]] = {}
     for seg in segments:
-        groups.setdefault(seg.metadata.get("run.id", ""), []).append(seg)
+        groups.setdefault(seg.metadata.get(META_RUN_ID, ""), []).append(seg)
 
     def latest(rid: str) -> tuple[float, float]:
         return max(_started(s) for s in groups[rid]), max(s.path.stat().st_mtime for s in groups[rid])
 
     def started(rid: str) -> str:
-        return max((s.metadata.get("run.started", "") for s in groups[rid]), key=lambda t: t or "") or "?"
+        return max((s.metadata.get(META_RUN_STARTED, "") for s in groups[rid]), key=lambda t: t or "") or "?"
 
     order = sorted(groups, key=latest)
     listing = ", ".join(f"{rid or '(no id)'} (started {started(rid)})" for rid in order)
@@ -270,7 +257,7 @@ def _started(seg: Segment) -> float:
     """When the process that wrote ``seg`` started (seconds since the epoch; the file's time when
     the metadata does not say), comparable across time zones."""
     try:
-        return datetime.strptime(seg.metadata.get("run.started", ""), "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        return datetime.strptime(seg.metadata.get(META_RUN_STARTED, ""), "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except ValueError:
         return seg.path.stat().st_mtime
 
@@ -308,7 +295,8 @@ def _supersede(segments: list[Segment]) -> list[str]:
 
 
 def load(path: str | os.PathLike, run_id: str | None = None) -> pd.DataFrame:
-    """The run at ``path`` as one DataFrame (one row per observation, DESIGN.md schema).
+    """The run at ``path`` as one DataFrame (one row per observation, in the columns of
+    docs/run-file.md).
     ``df.attrs["metadata"]`` holds the run metadata and ``df.attrs["warnings"]`` the skipped
     segments. Raises :class:`RunError` for a path that is not a readable run. ``run_id``: as
     :func:`read_run`."""
@@ -321,7 +309,7 @@ def _segment_order(segment: Segment) -> tuple[str, int, str]:
         number = int(meta.get(META_SEGMENT, "0"))
     except ValueError:
         number = 0
-    return meta.get("run.started", ""), number, segment.path.name
+    return meta.get(META_RUN_STARTED, ""), number, segment.path.name
 
 
 def kind_mask(column: pa.Array, kinds: Sequence[str]) -> pa.Array:
@@ -347,8 +335,8 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
 def _with_columns(data, columns: Sequence[str]):
     """``data`` with exactly ``columns``, in that order; a column an older segment lacks is null."""
     n = data.num_rows
-    arrays = [_as_type(data.column(c), _TYPES[c]) if c in data.column_names else pa.nulls(n, _TYPES[c])
-              for c in columns]
+    arrays = [_as_type(data.column(c), COLUMN_TYPES[c]) if c in data.column_names
+              else pa.nulls(n, COLUMN_TYPES[c]) for c in columns]
     cls = pa.RecordBatch if isinstance(data, pa.RecordBatch) else pa.Table
     return cls.from_arrays(arrays, names=list(columns))
 
@@ -361,163 +349,15 @@ def _as_type(column, expected: pa.DataType):
     if pa.types.is_dictionary(expected):
         plain = column.cast(pa.string()) if not pa.types.is_dictionary(column.type) else column
         return pc.dictionary_encode(plain) if not pa.types.is_dictionary(plain.type) else plain.cast(expected)
-    return column.cast(expected)  # a large string or list variant (checked by _same_kind)
+    return column.cast(expected)  # a large string or list variant (accepted by the segment's schema check)
 
 
-def _empty_table(columns: Sequence[str] | None) -> pa.Table:
-    schema = run_schema()
-    names = columns if columns is not None else schema.names
-    return pa.table({c: pa.array([], _TYPES[c]) for c in names})
+def empty_table(columns: Sequence[str] | None = None) -> pa.Table:
+    """A table of no rows with ``columns`` (every column when None) in their run-schema types."""
+    names = columns if columns is not None else COLUMN_TYPES
+    return pa.table({c: pa.array([], COLUMN_TYPES[c]) for c in names})
 
 
-class _BadSegment(Exception):
-    pass
-
-
-class _ForeignParquet(Exception):
-    pass
-
-
-def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str], tuple[int, int] | None, int | None]:
-    """A segment's row count, metadata, step span and histogram bins (the ``hist`` column's list
-    size), from its footer; the data pages are not read."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4)
-            fh.seek(max(0, path.stat().st_size - 4))
-            tail = fh.read(4)
-    except OSError as exc:
-        raise RunError(f"{path}: cannot read ({exc.strerror})") from None
-    if head != _MAGIC:
-        if single:
-            raise RunError(f"{path}: not a Parquet file")
-        raise _BadSegment("not Parquet")
-    if tail != _MAGIC:
-        if single:
-            raise RunError(f"{path}: truncated Parquet file (no footer)")
-        raise _BadSegment("truncated: no Parquet footer")
-    try:
-        footer = pq.read_metadata(path)
-        schema = footer.schema.to_arrow_schema()
-    except (pa.ArrowException, OSError) as exc:
-        if single:
-            raise RunError(f"{path}: unreadable Parquet file ({exc})") from None
-        raise _BadSegment(str(exc)) from None
-    meta = schema.metadata or {}
-    if META_SCHEMA_VERSION.encode() in meta:
-        wrong = _schema_problem(schema)
-        if wrong:
-            if single:
-                raise RunError(f"{path}: not a readable ampdoctor run ({wrong})")
-            raise _BadSegment(wrong)
-    version = meta.get(META_SCHEMA_VERSION.encode())
-    if version is None:
-        raise _ForeignParquet()
-    try:
-        version_number = int(version)
-    except ValueError:
-        raise RunError(f"{path}: unrecognised schema version {version.decode()!r}") from None
-    if version_number > SCHEMA_VERSION:
-        raise RunError(f"{path}: written with run schema version {version_number}, but ampdoctor "
-                       f"{__version__} reads up to version {SCHEMA_VERSION}; upgrade ampdoctor")
-    text = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in meta.items()}
-    hist = schema.field("hist").type if "hist" in schema.names else None
-    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else None
-    return footer.num_rows, text, _step_span(footer, schema), bins
-
-
-REQUIRED = ("step", "rank", "kind", "name", "scale", "skipped")  # columns every segment must have
-
-
-def _schema_problem(schema: pa.Schema) -> str | None:
-    """What makes a segment's columns unusable: a required column missing, or a column whose type
-    the run schema does not allow (a column of a later schema version may be missing)."""
-    missing = [c for c in REQUIRED if c not in schema.names]
-    if missing:
-        return f"no {', '.join(missing)} column"
-    for field in schema:
-        expected = _TYPES.get(field.name)
-        if expected is None:
-            continue
-        ok = _same_kind(field.type, expected)
-        if field.name == "hist":
-            ok = pa.types.is_fixed_size_list(field.type) and field.type.value_type == pa.int32()
-        if not ok:
-            return f"column {field.name} is {field.type}, not {expected}"
-    return None
-
-
-def _same_kind(got: pa.DataType, expected: pa.DataType) -> bool:
-    """Whether a column of type ``got`` reads as ``expected``: the same type, or its string, large
-    or dictionary variant (another tool's rewrite), which :func:`_as_type` converts."""
-    def plain(t: pa.DataType) -> pa.DataType:
-        if pa.types.is_dictionary(t):
-            t = t.value_type
-        if pa.types.is_large_string(t):
-            return pa.string()
-        if pa.types.is_large_list(t):
-            return pa.list_(plain(t.value_type))
-        return t
-    return plain(got) == plain(expected)
-
-
-# Metadata values the readers parse: a value that is not valid is ignored (the default applies), with a warning.
-def _positive(v: float) -> bool:
-    return math.isfinite(v) and 0 < v <= 3.4e38
-
-
-_METADATA_CHECKS: dict[str, tuple[type, Callable[[float], bool], str]] = {
-    "scaler.init_scale": (float, _positive, "a positive float32"),
-    "scaler.growth_factor": (float, lambda v: math.isfinite(v) and v > 1, "a number above 1"),
-    "scaler.backoff_factor": (float, lambda v: 0 < v < 1, "a number between 0 and 1"),
-    "scaler.growth_interval": (int, lambda v: v >= 1, "an integer of at least 1"),
-    "world_size": (int, lambda v: v >= 1, "an integer of at least 1"),
-    "hist.bins": (int, lambda v: 2 <= v <= 4096, "an integer from 2 to 4096"),
-    "hist.min_exp": (int, lambda v: -1100 <= v <= 1100, "an exponent from -1100 to 1100"),
-    "record.dropped_steps": (int, lambda v: v >= 0, "a count"),
-}
-
-
-def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tuple[dict[str, str], list[str]]:
-    """``meta`` without the values the readers could not use, and a message for each; ``hist.bins``
-    is the ``hist`` column's own size (``hist_bins``) when the segment has one."""
-    out, ignored = {k: v for k, v in meta.items() if v != ""}, []  # empty: not set (older writers)
-    for key, (kind, valid, what) in _METADATA_CHECKS.items():
-        if key not in out:
-            continue
-        try:
-            value = kind(float(meta[key])) if kind is int else float(meta[key])
-            good = valid(value) and (kind is not int or float(meta[key]).is_integer())
-        except (ValueError, OverflowError):
-            good = False
-        if not good:
-            ignored.append(f"ignored metadata {key}={meta[key]!r} (not {what})")
-            del out[key]
-    for key, allowed in (("amp.dtype", tuple(FORMATS)), ("record.level", ("steps", "params", "full"))):
-        if key in out and meta[key] not in allowed:
-            ignored.append(f"ignored metadata {key}={meta[key]!r} (not one of {', '.join(allowed)})")
-            del out[key]
-    if hist_bins is not None and out.get("hist.bins", str(hist_bins)) != str(hist_bins):
-        ignored.append(f"ignored metadata hist.bins={meta['hist.bins']!r} (the hist column has {hist_bins} bins)")
-    if hist_bins is not None:
-        out["hist.bins"] = str(hist_bins)
-    return out, ignored
-
-
-def _step_span(footer: pq.FileMetaData, schema: pa.Schema) -> tuple[int, int] | None:
-    """The first and last step of a segment from its row groups' statistics (None if unknown)."""
-    index = schema.get_field_index("step")
-    lo = hi = None
-    for g in range(footer.num_row_groups):
-        group = footer.row_group(g)
-        if index < 0 or group.num_rows == 0:
-            continue
-        stats = group.column(index).statistics
-        if stats is None or not stats.has_min_max:
-            return None
-        lo = stats.min if lo is None else min(lo, stats.min)
-        hi = stats.max if hi is None else max(hi, stats.max)
-    return None if lo is None else (int(lo), int(hi))
 
 
 def describe(run: Run) -> dict:
@@ -529,22 +369,20 @@ def describe(run: Run) -> dict:
     return {
         "path": str(run.path),
         "schema_version": int(meta.get(META_SCHEMA_VERSION, SCHEMA_VERSION)),
-        "written_by": meta.get("ampdoctor.version"),
-        "torch_version": meta.get("torch.version"),
-        "run_ids": sorted({s.metadata.get("run.id", "") for s in run.segments}),
-        "started": meta.get("run.started"),
-        "device": meta.get("device"),
-        "amp_dtype": meta.get("amp.dtype"),
-        "scaler": {"class": meta.get("scaler.class"), "init_scale": _num(meta.get("scaler.init_scale")),
-                   "growth_factor": _num(meta.get("scaler.growth_factor")),
-                   "backoff_factor": _num(meta.get("scaler.backoff_factor")),
-                   "growth_interval": _num(meta.get("scaler.growth_interval"))},
+        "written_by": meta.get(META_VERSION),
+        "torch_version": meta.get(META_TORCH_VERSION),
+        "run_ids": sorted({s.metadata.get(META_RUN_ID, "") for s in run.segments}),
+        "started": meta.get(META_RUN_STARTED),
+        "device": meta.get(META_DEVICE),
+        "amp_dtype": meta.get(META_AMP_DTYPE),
+        "scaler": {"class": meta.get(META_SCALER_CLASS),
+                   **{key: meta_number(meta.get(name)) for key, name in SCALER_META.items()}},
         "steps": int(steps["step"].nunique()),
         "first_step": int(steps["step"].min()) if len(steps) else None,
         "last_step": int(steps["step"].max()) if len(steps) else None,
         "skipped_steps": int(steps.drop_duplicates(["step", "rank"])["skipped"].sum()),
         "ranks": sorted(int(r) for r in df["rank"].unique()),
-        "world_size": _num(meta.get("world_size")),
+        "world_size": meta_number(meta.get(META_WORLD_SIZE)),
         "tensors": int(df.loc[(df["kind"] != "step") & (df["name"] != ""), "name"].nunique()),
         "kinds": kinds,
         "rows": int(len(df)),
@@ -554,9 +392,3 @@ def describe(run: Run) -> dict:
         "warnings": list(run.warnings),
     }
 
-
-def _num(text: str | None):
-    if text in (None, ""):
-        return None
-    value = float(text)
-    return int(value) if value.is_integer() else value

@@ -13,6 +13,8 @@ import warnings
 
 import torch
 
+from .schema import META_RUN_ID
+
 
 def env_run_id() -> str | None:
     for key in ("AMPDOCTOR_RUN_ID", "TORCHELASTIC_RUN_ID"):
@@ -69,7 +71,7 @@ def latest_run_id(path: str | os.PathLike | None) -> str | None:
         return None
     from .run import read_run  # the reader, lazily: recording does not need it otherwise
     try:
-        return read_run(path).metadata.get("run.id") or None
+        return read_run(path).metadata.get(META_RUN_ID) or None
     except Exception:  # noqa: BLE001 - no run there (or none readable): a new run
         return None
 

@@ -11,6 +11,11 @@ SCHEMA_VERSION = 1
 HIST_MIN_EXP = -56
 HIST_BINS = 64
 
+ROOT_NAME = "(model)"  # the `name` of module rows of the model itself (its qualified name is "")
+
+# What a run records (the `record.level` metadata value; RecordOptions.level).
+LEVELS = ("steps", "params", "full")
+
 # Metadata keys (all values are strings). Every segment carries these; the scaler keys are absent
 # for a disabled scaler, and older runs may lack the later ones (readers treat absent as unknown).
 META_SCHEMA_VERSION = "ampdoctor.schema_version"

@@ -157,8 +157,6 @@ class RunWriter:
         self._flush_countdown: int | None = None  # records to take before serving it
         self._pid = os.getpid()    # a forked child inherits this object, not its thread
         self._close_lock = threading.Lock()
-        self.rows_written = 0
-        self.bytes_written = 0
         self.dropped = 0           # records dropped because the queue was full
         # Daemon: a non-daemon thread would be joined before atexit handlers run, i.e. forever.
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -353,8 +351,6 @@ class RunWriter:
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, self.path / name)  # atomic: readers see whole segments only
-        self.bytes_written += (self.path / name).stat().st_size
-        self.rows_written += table.num_rows
         self._segment += 1
         self._pending = Columns()
 

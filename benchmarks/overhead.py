@@ -162,7 +162,7 @@ def measure(args) -> dict:
     results = []
     for name in names:
         mean = statistics.fmean(times[name])
-        # ratio: of mean step times, so that the sampled (detailed) steps count at their share;
+        # ratio: of mean step times, so that the sampled steps count at their share;
         # paired_ratio: the median over rounds of this variant's step over plain's in the same
         # round, which is robust to drift and outliers but blind to the sampled steps.
         paired = [t / p for t, p in zip(times[name], times["plain"])]

@@ -118,12 +118,12 @@ import json, resource, sys, time
 t = time.perf_counter()
 from ampdoctor import render
 if sys.argv[2] == "report":
-    from ampdoctor.analysis.report import build_report
-    data = build_report(sys.argv[1])
+    from ampdoctor.analysis.report import report_data
+    data = report_data(sys.argv[1])
     render.to_json(data)
 else:
-    from ampdoctor.analysis.postmortem import postmortem
-    data = postmortem(sys.argv[1])
+    from ampdoctor.analysis.postmortem import postmortem_data
+    data = postmortem_data(sys.argv[1])
     render.to_json(data)
 print(json.dumps({"seconds": time.perf_counter() - t,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

@@ -3,7 +3,7 @@ reference backward of the same batch on the same weights (``tests/architectures.
 
 For each architecture (Hugging Face GPT-2, T5, ViT, BERT from tiny configs, a nanoGPT-like model,
 a ReLU MLP, a BatchNorm CNN), loss scale and loss factor, one fp16 AMP step is recorded at
-``level="full"`` and read back with ``build_report``; every parameter gradient and module output
+``level="full"`` and read back with ``report_data``; every parameter gradient and module output
 gradient row is compared with the truth: within tolerance (max(0.5 percentage points, 25% of the
 truth), plus the elements the reference cannot decide), and the truth within the reported range
 [underflow, at most] (same tolerance). A row whose estimate is unknown (0 everywhere) is counted
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import architectures as A  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor.analysis.report import build_report  # noqa: E402
+from ampdoctor.analysis.report import report_data  # noqa: E402
 
 SCALES = (1.0, 2.0**4, 2.0**8, 2.0**16)
 FACTORS = (1.0, 1e-3)
@@ -82,7 +82,7 @@ def main() -> None:
                     arch = A.build(name)
                     path = Path(tmp) / f"{name}-{scale:g}-{factor:g}.parquet"
                     grads = record_one_step(arch, path, scale, factor)
-                    layers = build_report(path)["layers"]
+                    layers = report_data(path)["layers"]
                     for kind, truth in (("param_grad", A.true_underflow(arch, 0, grads, factor)),
                                         ("grad_output", A.true_output_underflow(arch, 0, scale, factor))):
                         rows = {r["name"]: r for r in layers if r["kind"] == kind}

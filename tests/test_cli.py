@@ -92,6 +92,24 @@ def test_import_and_help_load_neither_torch_nor_pandas():
         subprocess.run([sys.executable, "-c", probe], check=True, timeout=120, capture_output=True)
 
 
+def test_reading_a_run_imports_no_torch(tmp_path):
+    """Every command that reads a run works without torch (about a second and 300 MiB less), so a
+    report on a laptop or in CI needs no torch build; the ``ampdoctor.report`` and
+    ``ampdoctor.postmortem`` functions too."""
+    path = tmp_path / "run.parquet"
+    record(path, steps=4, init_scale=2.0**24)
+    probe = ("import sys\nfrom ampdoctor.cli import main\n"
+             "for args in (['info'], ['report'], ['report', '--format', 'html'], ['simulate'], ['layers'],\n"
+             "             ['postmortem', '--format', 'md']):\n"
+             "    try:\n        main([*args[:1], %r, *args[1:]])\n"
+             "    except SystemExit as exc:\n        assert not exc.code, (args, exc.code)\n"
+             "import ampdoctor\n"
+             "assert ampdoctor.report(%r)['scale']['skipped_steps'] > 0\n"
+             "assert ampdoctor.postmortem(%r)['status']\n"
+             "assert 'torch' not in sys.modules, 'a reading command imported torch'\n") % ((str(path),) * 3)
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=300, capture_output=True)
+
+
 def test_an_internal_error_is_one_line_unless_a_traceback_is_asked_for(tmp_path, monkeypatch):
     path = tmp_path / "run.parquet"
     record(path)

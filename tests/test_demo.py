@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import ampdoctor
 from ampdoctor.cli import main
 from ampdoctor.demo import SCENARIOS, DemoError, fault_step, run_demo
-from ampdoctor.analysis.report import build_report
+from ampdoctor.schema import META_INIT_SCALE
 
 STEPS = 60  # fewer than the CPU default of 150: every scenario already shows its problem by then
 FAULT = fault_step("nan", STEPS)
@@ -37,7 +37,7 @@ def demos(tmp_path_factory):
 
 def test_healthy_skips_nothing_and_has_no_event(demos):
     path, _ = demos["healthy"]
-    report = build_report(path)
+    report = ampdoctor.report(path)
     assert report["scale"]["skipped_steps"] == 0
     assert report["recommendation"]["verdict"] == "keep"
     assert report["recommendation"]["current"]["underflow_rate"] < 1e-3
@@ -46,7 +46,7 @@ def test_healthy_skips_nothing_and_has_no_event(demos):
 
 def test_underflow_is_high_and_a_larger_init_scale_is_recommended(demos):
     path, _ = demos["underflow"]
-    report = build_report(path)
+    report = ampdoctor.report(path)
     rec = report["recommendation"]
     assert report["scale"]["max"] == 1.0  # the scale never grew out of it
     # Zeros filling whole lines count as structure in the estimate and only in its upper bound.
@@ -63,7 +63,7 @@ def test_underflow_is_high_and_a_larger_init_scale_is_recommended(demos):
 
 def test_overflow_skips_many_steps_and_the_recommendation_skips_fewer(demos):
     path, _ = demos["overflow"]
-    report = build_report(path)
+    report = ampdoctor.report(path)
     rec = report["recommendation"]
     skipped = report["scale"]["skipped_steps"]
     assert skipped >= 0.1 * STEPS, report["scale"]
@@ -112,7 +112,7 @@ def test_report_flag_prints_the_explanation(demos, name):
         assert line in output, (line, output)
     assert "Read it with" not in output
     if command == "report":
-        rec = build_report(path)["recommendation"]
+        rec = ampdoctor.report(path)["recommendation"]
         assert rec["code"] in output
         assert (f"predicted: {rec['predicted']['skipped_steps']} skipped step(s) instead of "
                 f"{rec['current']['skipped_steps']}") in output
@@ -132,7 +132,7 @@ def test_default_scenario_and_path(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("Scenario healthy:")
     assert "ampdoctor report ampdoctor-demo.parquet" in result.stdout
-    assert float(ampdoctor.read_run(tmp_path / "ampdoctor-demo.parquet").metadata["scaler.init_scale"]) == 2.0**16
+    assert float(ampdoctor.read_run(tmp_path / "ampdoctor-demo.parquet").metadata[META_INIT_SCALE]) == 2.0**16
 
 
 def test_unknown_scenario_is_a_usage_error():

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ampdoctor
-from ampdoctor.analysis.report import build_report
+from ampdoctor.schema import META_RUN_ID, META_WORLD_SIZE
 from models import MLP, batches, mse
 
 WORLD = 2
@@ -99,7 +99,7 @@ def ddp_run(tmp_path_factory):
 
 
 def test_ddp_report_names_the_rank_module_and_step_where_the_overflow_began(ddp_run):
-    report = build_report(ddp_run / "ddp.parquet")
+    report = ampdoctor.report(ddp_run / "ddp.parquet")
     assert report["run"]["ranks"] == WORLD
     first = report["overflow_origins"][0]
     assert (first["name"], first["kind"], first["rank"], first["first_step"]) == ("fc1", "output", 1, FAULT)
@@ -119,8 +119,8 @@ def test_ddp_ranks_write_one_run(ddp_run):
         assert bool(steps.set_index("step")["skipped"][FAULT])
     files = sorted((ddp_run / "ddp.parquet").glob("*.parquet"))
     metas = [pq.read_schema(f).metadata for f in files]
-    assert {m[b"run.id"] for m in metas} == {metas[0][b"run.id"]}  # one run id, broadcast from rank 0
-    assert {m[b"world_size"] for m in metas} == {b"2"}
+    assert len({m[META_RUN_ID.encode()] for m in metas}) == 1  # one run id, broadcast from rank 0
+    assert {m[META_WORLD_SIZE.encode()] for m in metas} == {b"2"}
     assert {f.name.split("-")[1] for f in files} == {"r00000", "r00001"}
     # Names are the model's own, not DDP's "module." ones.
     assert "fc1.weight" in set(frame.loc[frame["kind"] == "param_grad", "name"])
@@ -149,7 +149,7 @@ def _local_worker(rank: int, root: str, port: int) -> None:
 
 def test_ranks_that_skip_different_steps_are_warned_about(tmp_path):
     _spawn(_local_worker, tmp_path)
-    report = build_report(tmp_path / "local.parquet")
+    report = ampdoctor.report(tmp_path / "local.parquet")
     warning = [w for w in report["warnings"] if "disagree on found_inf" in w]
     assert warning and f"step {FAULT}" in warning[0]
 

@@ -10,7 +10,8 @@ import torch
 
 import ampdoctor
 from ampdoctor.analysis.origins import OUTSIDE, find_origins, nonfinite_rows
-from ampdoctor.analysis.report import build_report
+from ampdoctor.analysis.report import report_data
+from ampdoctor.render import contract
 from models import CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 
 K = 3          # the step at which something goes wrong
@@ -175,7 +176,7 @@ def test_gradient_produced_outside_the_model(run_path):
     assert o.step == K and o.forward is None and math.isfinite(o.loss)
     assert o.overflow.name == OUTSIDE and o.overflow.tensor == "head"  # head returned it for the model
     # The report names where it was seen and says what to do about it.
-    report = build_report(run_path)
+    report = contract(report_data(run_path))
     (origin,) = report["overflow_origins"]
     assert origin["name"] == OUTSIDE and origin["after"] == "head" and origin["count"] == 1
     assert any("outside every tapped module" in a and "into `head`'s output" in a and "or the loss" in a
@@ -190,7 +191,7 @@ def test_skipped_steps_without_an_origin_are_counted_in_a_warning(tmp_path):
 
     path = tmp_path / "run.parquet"
     skipped = train_recorded(path, steps=30, init_scale=2.0**24, level="params")
-    report = build_report(path)
+    report = contract(report_data(path))
     named = sum(o["count"] for o in report["overflow_origins"])
     assert 0 < named < skipped == report["scale"]["skipped_steps"]
     assert f"{skipped - named} of the {skipped} anomalous steps have no origin" in " ".join(report["warnings"])

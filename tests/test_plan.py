@@ -9,7 +9,7 @@ import torch
 from ampdoctor.anomalies import AnomalyWatch
 from ampdoctor.options import RecordOptions
 from ampdoctor.plan import StepPlan
-from ampdoctor.records import FlightRecord, LightStep
+from ampdoctor.records import FlightRecord, FlightStep, pack_scalars
 from ampdoctor.transfer import HostCopies
 
 
@@ -19,22 +19,23 @@ def _plan(**options) -> StepPlan:
 
 def test_sampled_steps_and_levels():
     plan = _plan(level="params", every=10)
-    assert [s for s in range(25) if plan.detailed(s)] == [0, 10, 20]
-    assert all(plan.per_tensor(s) for s in range(25)) and all(plan.tap_mode(s) is None for s in range(25))
+    assert [s for s in range(25) if plan.gradient_stats(s) == "full"] == [0, 10, 20]
+    assert plan.gradient_stats(1) == "light"
+    assert all(plan.per_tensor(s) for s in range(25)) and all(plan.module_stats(s) is None for s in range(25))
     steps = _plan(level="steps", every=10)
     assert not any(steps.per_tensor(s) for s in range(25))
     full = _plan(level="full", every=10, module_every=20)
-    assert [full.tap_mode(s) for s in (0, 1, 10, 20)] == ["full", "light", "light", "full"]
-    assert _plan(level="full", flight_steps=0).tap_mode(1) is None  # no flight recorder, no light taps
+    assert [full.module_stats(s) for s in (0, 1, 10, 20)] == ["full", "light", "light", "full"]
+    assert _plan(level="full", flight_steps=0).module_stats(1) is None  # no flight recorder, no light taps
     assert _plan(level="params", every=7).module_every == 7  # module_every follows every when given
 
 
 def test_escalation_covers_the_steps_after_the_one_that_saw_the_anomaly():
     plan = _plan(level="steps", every=100, escalate_steps=3)
     plan.escalate(after_step=5)  # asked only of the steps to come
-    assert [s for s in range(6, 12) if plan.detailed(s)] == [6, 7, 8]
+    assert [s for s in range(6, 12) if plan.gradient_stats(s) == "full"] == [6, 7, 8]
     assert [s for s in range(6, 12) if plan.per_tensor(s)] == [6, 7, 8]
-    assert [plan.tap_mode(s) for s in (6, 8, 9)] == ["full", "full", None]
+    assert [plan.module_stats(s) for s in (6, 8, 9)] == ["full", "full", None]
     plan.escalate(after_step=7)  # a second anomaly extends, never shortens
     assert plan.escalate_until == 11
     plan.rewind(4)  # a rolled-back run: its numbering goes on at 4
@@ -67,7 +68,8 @@ class _Writer:
 
 
 def _scalars(*, skipped=False, loss=1.0, scale=1024.0):
-    return torch.tensor([scale, float(skipped), loss, 1.0, 1.0, 1.0])
+    return pack_scalars(torch.tensor(scale), torch.tensor(float(skipped)), torch.tensor(loss), torch.tensor(1.0),
+                        has_loss=True, has_params=True)
 
 
 @pytest.mark.parametrize("lag", [0, 3])
@@ -82,10 +84,10 @@ def test_the_flight_window_and_escalation_with_late_copies(lag):
                          rank=0, flight_steps=4, scale_floor=None, start_step=0)
     for step in range(12):
         clock[0] = step
-        light = LightStep(step, [], torch.zeros(0), None)
+        flight_step = FlightStep(step, [], torch.zeros(0), None)
         fence = HostCopies(lambda device: _Event(clock, lag), fence_host=True)
         fence.to_host(torch.zeros(1))
-        watch.step_done(step, _scalars(skipped=step == 6), fence.seal(), light, skipped_on_host=False)
+        watch.step_done(step, _scalars(skipped=step == 6), fence.seal(), flight_step, skipped_on_host=False)
     (flight,) = [r for r in writer.put_records if isinstance(r, FlightRecord)]
     assert [e.step for e in flight.steps] == [3, 4, 5, 6]
     assert writer.syncs == 1
@@ -106,7 +108,7 @@ def test_a_skip_seen_on_the_host_is_handled_once():
         clock[0] = step
         copies = HostCopies(lambda device: _Event(clock, 2), fence_host=True)
         copies.to_host(torch.zeros(1))
-        watch.step_done(step, _scalars(skipped=step == 2), copies.seal(), LightStep(step, [], torch.zeros(0), None),
+        watch.step_done(step, _scalars(skipped=step == 2), copies.seal(), FlightStep(step, [], torch.zeros(0), None),
                         skipped_on_host=step == 2)
         if step == 2:
             assert plan.escalate_until == 4 and writer.syncs == 0

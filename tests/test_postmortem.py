@@ -17,6 +17,8 @@ from click.testing import CliRunner
 import ampdoctor
 from ampdoctor.cli import main
 from ampdoctor import render
+from ampdoctor.analysis.nonfinite_cause import CAUSES
+from ampdoctor.analysis.postmortem import postmortem_data
 from models import MLP, DeepNet, NaNWritingSGD, set_at, train_with_faults
 
 FAULT = 12  # the step every fault is injected at
@@ -128,7 +130,10 @@ def test_nonfinite_weights_is_an_anomaly_with_param_rows(runs, tmp_path):
     steps = frame[frame.kind == "step"].set_index("step")
     assert FAULT < first <= FAULT + 3 and rows.amax.isna().all()
     assert steps.loc[FAULT + 1:first, "skipped"].all() and not steps.loc[FAULT, "skipped"]
-    pm = ampdoctor.postmortem(runs["nonfinite_weights"])
+    data = postmortem_data(runs["nonfinite_weights"])
+    description = data["event"]["description"]  # a finding: the steps as numbers, worded by the renderers
+    assert description.code == "params_nonfinite_after_step" and description.values["checked"] == first
+    pm = render.contract(data)
     assert pm["event"]["step"] == FAULT and f"check at step {first}" in pm["event"]["description"]
     always = tmp_path / "always.parquet"
     scenario("nonfinite_weights", always, level="params", check_params="always")
@@ -152,7 +157,7 @@ POSTMORTEM_CONTRACT = {"status": str, "first_nonfinite_step": int, "cause": str,
 
 @pytest.mark.parametrize("name", list(EXPECTED) + ["healthy"])
 def test_every_format(runs, name, tmp_path):
-    from test_report import check_contract
+    from contract_check import check_contract
 
     for fmt in ("text", "md", "json", "html"):
         out = tmp_path / f"pm.{fmt}"
@@ -163,7 +168,7 @@ def test_every_format(runs, name, tmp_path):
             data = json.loads(text)
             if name != "healthy":
                 check_contract(data, POSTMORTEM_CONTRACT)
-                assert data["cause"] in ampdoctor.analysis.postmortem.CAUSES
+                assert data["cause"] in CAUSES
         if fmt == "text":
             assert max(len(line) for line in text.splitlines()) <= 100
         if fmt == "html":

@@ -1,5 +1,6 @@
 """The README's promises, run as a newcomer would: the quick start in a clean virtual environment,
-and every example output regenerated from its command (``scripts/readme_examples.py``)."""
+and every example output regenerated from its command (``scripts/readme_examples.py``); and the
+documentation's links and metadata keys against the repository and the code."""
 
 from __future__ import annotations
 
@@ -41,6 +42,43 @@ def test_readme_examples_are_what_the_commands_print():
     assert {ex.command for ex in found} >= {QUICK_RUN}, "the quick start's output is not shown"
     _, stale = readme_examples.refresh(text)
     assert not stale, f"stale README examples (run python scripts/readme_examples.py): {stale}"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The link targets a Markdown page offers: its headings as GitHub spells them, and explicit
+    ``<a id="...">`` anchors (headings inside code blocks do not count)."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    return headings | set(re.findall(r'<a id="([^"]+)"', text))
+
+
+def test_readme_and_docs_link_only_inside_the_repository():
+    """Every link of the README and docs/ is a file of this repository (a clone holds all it needs)
+    and every #anchor a heading of the page it names."""
+    broken = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if re.match(r"[a-z]+:", target) or not dest.is_relative_to(ROOT) or not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_the_run_file_page_lists_the_metadata_keys_of_the_code():
+    """docs/run-file.md's footer table names exactly ``schema.META_KEYS``."""
+    from ampdoctor.schema import META_KEYS
+
+    page = (ROOT / "docs" / "run-file.md").read_text(encoding="utf-8")
+    table = page.split("\n## Footer metadata", 1)[1].split("\n## ", 1)[0]
+    documented = {key for row in re.findall(r"^\| (.+?) \|", table, re.M) for key in re.findall(r"`([^`]+)`", row)}
+    assert documented == set(META_KEYS)
 
 
 def _copy_checkout(dest: Path) -> Path:

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from ampdoctor import render
-from ampdoctor.render.formatting import binades, number, percent, scale_str, setting, shorten
+from ampdoctor.render import sections
+from ampdoctor.render.formatting import binades, number, number_or_word, percent, scale_str, setting, shorten
 from ampdoctor.render.html import report_html
 from ampdoctor.render.markdown import layers_markdown, report_markdown, simulate_markdown
+from ampdoctor.render.text import layers_table
 
 XSS = "<img src=x onerror=alert(1)>"
 PIPE = "a|b"
@@ -149,6 +151,26 @@ def test_formatting_helpers():
         ("—", "50%", "2**10")
     short = shorten("encoder.layers.11.self_attn.out_proj.weight", 30)
     assert len(short) == 30 and short.endswith("out_proj.weight") and "…" in short
+    assert shorten("encoder.layers.11.self_attn.out_proj.weight", 30, keep_head=False) == \
+        "….11.self_attn.out_proj.weight"
+    assert [number_or_word(x) for x in (2.5e-3, "non-finite", None)] == ["0.0025", "non-finite", "—"]
+
+
+def test_text_columns_cut_long_names_from_the_left():
+    layer = _layer("encoder.layers.11.self_attn.out_proj.weight", "param_grad", 0.1, 2.0, 1.0)
+    row = layers_table([layer])[1]
+    assert row.startswith("…s.11.self_attn.out_proj.weight ")  # 31 characters, the column's width
+
+
+def test_markdown_and_html_lay_out_the_same_sections_in_order():
+    report = make_sparse_report()
+    md, page = report_markdown(report), html_text(report_html(report))
+    expected = [s.title for s in (sections.RUN, sections.SCALE, sections.LAYERS, sections.ORIGINS,
+                                  sections.RECOMMENDATION, sections.WARNINGS, sections.NOT_AVAILABLE)]
+    assert re.findall(r"^## (.+)$", md, re.M) == expected
+    assert re.findall(r"<h2>(.+?)</h2>", page) == expected
+    assert re.findall(r'<section id="([^"]+)">', page) == ["run", "scale", "layers", "overflow-origins",
+                                                           "recommendation", "warnings", "not-available"]
 
 
 # --- Markdown ------------------------------------------------------------------------------------------

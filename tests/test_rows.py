@@ -9,17 +9,26 @@ import torch
 
 from ampdoctor.formats import FLOAT16
 from ampdoctor.hooks import ModuleCall
-from ampdoctor.records import (FlightRecord, GroupRecord, LightStep, ParamPeaks, ParamRecord, StepRecord,
-                               TapObservation)
+from ampdoctor.records import (FlightRecord, FlightStep, GroupRecord, ParamCheck, ParamRecord, StepRecord,
+                               TapObservation, pack_scalars, read_scalars)
 from ampdoctor.rows import materialize
 from ampdoctor.schema import HIST_BINS, run_schema
-from ampdoctor.stats import light_stats, tensor_stats
+from ampdoctor.stats import full_stats, light_stats
 
 SCHEMA_COLUMNS = set(run_schema(HIST_BINS, {}).names)
 
 
 def _scalars(*, scale=1024.0, skipped=False, loss=2.5, param_peak=3.0):
-    return torch.tensor([scale, float(skipped), loss, 1.0, param_peak, 1.0])
+    return pack_scalars(torch.tensor(scale), torch.tensor(float(skipped)), torch.tensor(loss), torch.tensor(param_peak),
+                        has_loss=True, has_params=True)
+
+
+def test_a_step_s_scalars_read_back_as_packed():
+    assert read_scalars(_scalars(scale=8.0, skipped=True, loss=0.5, param_peak=2.0)) == (8.0, True, 0.5, 2.0)
+    scalars = read_scalars(pack_scalars(torch.tensor(1.0), torch.tensor(0.0), torch.tensor(7.0), torch.tensor(0.0),
+                                        has_loss=False, has_params=False))
+    assert scalars.loss is None and scalars.param_peak is None and not scalars.skipped
+    assert read_scalars(None) == (1.0, False, None, None)  # a step without scalars (nothing to scale)
 
 
 def _rows(record):
@@ -32,11 +41,11 @@ def _rows(record):
 def test_a_sampled_step_gives_a_step_row_gradient_rows_tap_rows_and_parameter_rows():
     grads = [torch.tensor([1.0, 0.0, -3.0]), torch.tensor([[2.0**-20]])]
     inv = torch.tensor(1 / 1024)
-    stats = tensor_stats(grads, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal)
+    stats = full_stats(grads, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal)
     call = ModuleCall("fc1", 0, None, (), 0)
     tap = TapObservation("output", call, 0, "float16", 3,
-                         tensor_stats([torch.tensor([1.0, 2.0, 4.0])], inv_scale=None, subnormal_below=1e-5))
-    params = ParamPeaks(["w", "b"], [3, 1], torch.tensor([0.5, math.inf]))
+                         full_stats([torch.tensor([1.0, 2.0, 4.0])], inv_scale=None, subnormal_below=1e-5))
+    params = ParamCheck(["w", "b"], [3, 1], torch.tensor([0.5, math.inf]))
     record = StepRecord(step=7, rank=1, per_tensor=True, amp_dtype="float16", scalars=_scalars(param_peak=math.inf),
                         groups=[GroupRecord(["w", "b"], "float32", np.array([3, 1]), stats)], taps=[tap], params=params)
     rows, anomaly = _rows(record)
@@ -59,10 +68,10 @@ def test_flight_and_parameter_records():
     call = ModuleCall("blocks.0", 3, None, (1,), 0)
     taps = [TapObservation("output", call, 0, "float16", 10, None),
             TapObservation("grad_output", call, 1, "float16", 10, None)]
-    light = LightStep(5, taps, torch.tensor([70000.0, 2048.0]), _scalars(scale=2048.0, skipped=True))
-    rows, anomaly = _rows(FlightRecord(0, [light]))
+    flight_step = FlightStep(5, taps, torch.tensor([70000.0, 2048.0]), _scalars(scale=2048.0, skipped=True))
+    rows, anomaly = _rows(FlightRecord(0, [flight_step]))
     assert anomaly and [r["kind"] for r in rows] == ["output", "grad_output"]
     assert rows[0]["amax"] == 70000.0 and rows[1]["amax"] == 1.0  # a gradient's peak is unscaled
     assert rows[0]["inputs"] == [1] and rows[0]["skipped"] and rows[0]["n_zero"] is None
-    rows, anomaly = _rows(ParamRecord(9, 0, "float16", _scalars(), ParamPeaks(["w"], [4], torch.tensor([math.nan]))))
+    rows, anomaly = _rows(ParamRecord(9, 0, "float16", _scalars(), ParamCheck(["w"], [4], torch.tensor([math.nan]))))
     assert anomaly and len(rows) == 2 and math.isnan(rows[0]["amax"]) and rows[1]["name"] == "w"

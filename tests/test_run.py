@@ -156,7 +156,7 @@ def test_a_new_run_on_a_reused_path_is_kept_apart(run_path):
     from click.testing import CliRunner
 
     from ampdoctor.cli import main
-    from ampdoctor.analysis.report import build_report
+    from ampdoctor.analysis.report import report_data
 
     record(run_path, steps=6, init_scale=2.0**24)  # skips its first steps
     first = read_run(run_path).metadata["run.id"]
@@ -167,11 +167,11 @@ def test_a_new_run_on_a_reused_path_is_kept_apart(run_path):
     assert second != first
     assert sorted(run.frame.loc[run.frame.kind == "step", "step"]) == [0, 1, 2, 3]
     assert any("holds 2 runs; reading the latest" in w and first in w for w in run.warnings)
-    report = build_report(run)
+    report = report_data(run)
     assert report["scale"]["skipped_steps"] == 0 and report["run"]["scaler"]["init_scale"] == 2.0**16
     older = read_run(run_path, first[:8])
     assert older.metadata["run.id"] == first and older.warnings == []
-    assert build_report(older)["scale"]["skipped_steps"] > 0
+    assert report_data(older)["scale"]["skipped_steps"] > 0
     cli = CliRunner()
     result = cli.invoke(main, ["info", str(run_path), "--run", first[:8], "--format", "json"])
     assert result.exit_code == 0 and json.loads(result.output)["run_ids"] == [first]
@@ -229,8 +229,8 @@ def test_resuming_from_an_older_checkpoint_reads_each_step_once(run_path):
     frame = run.frame
     assert sorted(frame.loc[frame.kind == "step", "step"]) == list(range(10))
     assert any("rank 0: steps 5..9 were recorded again by a later process" in w for w in run.warnings)
-    from ampdoctor.analysis.report import build_report
-    assert build_report(run)["run"]["steps"] == 10
+    from ampdoctor.analysis.report import report_data
+    assert report_data(run)["run"]["steps"] == 10
 
 
 def test_ranks_that_cannot_share_a_run_id_are_warned_about(run_path, monkeypatch):
@@ -247,3 +247,54 @@ def test_ranks_that_cannot_share_a_run_id_are_warned_about(run_path, monkeypatch
         scaler = ampdoctor.GradScaler("cpu", path=run_path)
     scaler.close()
     assert any("cannot agree on one run id" in str(w.message) for w in caught)
+
+
+# -- one segment's footer (ampdoctor.segment), without recording ----------------------------------------
+
+def _segment_file(path, metadata, steps=(3, 4, 5)):
+    """A hand-written segment of step rows, with ``metadata`` (strings) in its footer."""
+    from ampdoctor.run import empty_table
+
+    empty = empty_table()
+    columns = {name: pa.array([None] * len(steps), empty.schema.field(name).type) for name in empty.column_names}
+    columns.update(step=pa.array(steps, pa.int64()), rank=pa.array([0] * len(steps), pa.int32()),
+                   kind=pa.array(["step"] * len(steps)).dictionary_encode(),
+                   name=pa.array([""] * len(steps)).dictionary_encode(),
+                   dtype=pa.array([""] * len(steps)).dictionary_encode(),
+                   numel=pa.array([0] * len(steps), pa.int64()), scale=pa.array([1.0] * len(steps), pa.float32()),
+                   skipped=pa.array([False] * len(steps)))
+    table = pa.table(columns).cast(empty.schema)
+    meta = {META_SCHEMA_VERSION: "1", **metadata}
+    pq.write_table(table.replace_schema_metadata({k.encode(): v.encode() for k, v in meta.items()}), path)
+    return path
+
+
+def test_a_segment_is_read_from_its_footer_and_its_bad_metadata_ignored(tmp_path):
+    from ampdoctor.schema import META_AMP_DTYPE, META_GROWTH_INTERVAL, META_HIST_BINS, META_INIT_SCALE
+    from ampdoctor.segment import read_segment
+
+    path = _segment_file(tmp_path / "part.parquet", {META_INIT_SCALE: "-1", META_GROWTH_INTERVAL: "2000",
+                                                     META_AMP_DTYPE: "float8", META_HIST_BINS: "32"})
+    segment, ignored = read_segment(path, single=True)
+    assert (segment.rows, segment.steps, segment.size) == (3, (3, 5), path.stat().st_size)
+    assert segment.metadata[META_GROWTH_INTERVAL] == "2000"
+    assert META_INIT_SCALE not in segment.metadata and META_AMP_DTYPE not in segment.metadata
+    assert segment.metadata[META_HIST_BINS] == "64"  # the hist column's own size wins
+    assert len(ignored) == 3 and ignored[0] == "ignored metadata scaler.init_scale='-1' (not a positive float32)"
+    assert ignored[1].startswith("ignored metadata amp.dtype='float8' (not one of float16, bfloat16, ")
+    assert ignored[2] == "ignored metadata hist.bins='32' (the hist column has 64 bins)"
+
+
+def test_a_damaged_segment_is_a_run_error_alone_and_skippable_in_a_directory(tmp_path):
+    from ampdoctor.segment import BadSegment, ForeignParquet, read_segment
+
+    path = _segment_file(tmp_path / "part.parquet", {})
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(RunError, match="truncated Parquet file"):
+        read_segment(path, single=True)
+    with pytest.raises(BadSegment, match="truncated"):
+        read_segment(path, single=False)
+    other = tmp_path / "other.parquet"
+    pd.DataFrame({"a": [1]}).to_parquet(other)
+    with pytest.raises(ForeignParquet):
+        read_segment(other, single=False)

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 import ampdoctor
 from ampdoctor.run import read_run
+from ampdoctor.schema import META_GROWTH_FACTOR
 from models import MLP, SparseEmbeddingModel, TwoHeads, batches, mse
 
 STEPS = 12
@@ -404,14 +405,14 @@ def test_every_and_level(tmp_path):
         train("basic", recording(path, **options))
         return read_run(path).frame
 
-    def detailed_steps(frame, kind="param_grad"):
+    def full_stat_steps(frame, kind="param_grad"):
         rows = frame[(frame.kind == kind) & frame.n_zero.notna()]
         return set(rows.step)
 
     sampled = run(every=4, escalate_steps=0)
     # Every step has a row per parameter; only every 4th has the full statistics.
     assert set(sampled.query("kind == 'param_grad'").step) == set(range(STEPS))
-    assert detailed_steps(sampled) == detailed_steps(sampled, "step") == {0, 4, 8}
+    assert full_stat_steps(sampled) == full_stat_steps(sampled, "step") == {0, 4, 8}
     light = sampled[(sampled.kind == "param_grad") & sampled.n_zero.isna()]
     assert light["hist"].isna().all() and light.amin.isna().all()
     assert light[~light.skipped].l2.notna().all() and not np.isfinite(light[light.skipped].amax).all()
@@ -421,7 +422,7 @@ def test_every_and_level(tmp_path):
     frame = escalated.query("kind == 'step'")
     skipped = set(frame[frame.skipped].step)
     expected = {s for s in range(STEPS) if s % 4 == 0} | {s + k for s in skipped for k in (1, 2)}
-    assert skipped and detailed_steps(escalated) == expected & set(range(STEPS))
+    assert skipped and full_stat_steps(escalated) == expected & set(range(STEPS))
     steps_only = run(level="steps", every=1, escalate_steps=0)
     assert set(steps_only.kind) == {"step", "param"} and len(steps_only) == 2 * STEPS
     # The step row holds the whole model's gradient statistics at every level.
@@ -491,7 +492,7 @@ def test_module_statistics_are_sampled_less_often_by_default(tmp_path):
     """level="full": gradients get full statistics every 100 steps and module taps every 1000 by
     default; an explicit ``every`` applies to both unless ``module_every`` is given. Between
     module-sampled steps the taps keep only the flight recorder's peaks (written on anomalies)."""
-    def detailed(frame, kinds):
+    def full_stat_steps(frame, kinds):
         rows = frame[frame.kind.isin(kinds) & frame.n_zero.notna()]
         return sorted(set(rows.step))
 
@@ -502,13 +503,13 @@ def test_module_statistics_are_sampled_less_often_by_default(tmp_path):
 
     taps = ["output", "grad_output"]
     frame = record(start_step=95)  # steps 95..106: the gradient sample at 100, no module sample
-    assert detailed(frame, ["param_grad"]) == [100] and detailed(frame, taps) == []
+    assert full_stat_steps(frame, ["param_grad"]) == [100] and full_stat_steps(frame, taps) == []
     frame = record(start_step=995)  # steps 995..1006: both at 1000
-    assert detailed(frame, ["param_grad"]) == [1000] and detailed(frame, taps) == [1000]
+    assert full_stat_steps(frame, ["param_grad"]) == [1000] and full_stat_steps(frame, taps) == [1000]
     frame = record(every=5)
-    assert detailed(frame, ["param_grad"]) == detailed(frame, taps) == [0, 5, 10]
+    assert full_stat_steps(frame, ["param_grad"]) == full_stat_steps(frame, taps) == [0, 5, 10]
     frame = record(every=5, module_every=4)
-    assert detailed(frame, ["param_grad"]) == [0, 5, 10] and detailed(frame, taps) == [0, 4, 8]
+    assert full_stat_steps(frame, ["param_grad"]) == [0, 5, 10] and full_stat_steps(frame, taps) == [0, 4, 8]
     with pytest.raises(ValueError, match="module_every"):
         ampdoctor.GradScaler("cpu", path="x", module_every=0)
 
@@ -547,4 +548,4 @@ def test_a_disabled_scaler_writes_no_metadata_the_reader_must_ignore(run_path):
     _fit(scaler, model, 3, lr=0.1)
     scaler.close()
     run = read_run(run_path)
-    assert run.warnings == [] and "scaler.growth_factor" not in run.metadata
+    assert run.warnings == [] and META_GROWTH_FACTOR not in run.metadata

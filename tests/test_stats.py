@@ -1,4 +1,4 @@
-"""stats.py against a float64 reference, on tensors with zeros, subnormals, huge values, infs and NaNs."""
+"""ampdoctor.stats against a float64 reference, on tensors with zeros, subnormals, huge values, infs and NaNs."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ampdoctor import stats as stats_module
 from ampdoctor.formats import BFLOAT16, FLOAT16, FLOAT32, float_format
-from ampdoctor.stats import ALGORITHMS, HostStats, light_stats, peaks, tensor_stats
+from ampdoctor.stats import ALGORITHMS, HostStats, SlotLayouts, full_stats, light_stats, tensor_peaks
+from ampdoctor.stats import full as full_module, light as light_module
+from ampdoctor.stats.full import SLOT_STRIDE
 
 MIN_EXP, BINS = -56, 64
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -94,8 +95,8 @@ def _check(got: HostStats, i: int, ref: dict) -> None:
 def test_per_tensor_stats_match_float64_reference(algorithm, case):
     tensors, scale, amp = case
     inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
-    got = HostStats.from_device(tensor_stats(tensors, inv_scale=inv, subnormal_below=amp.smallest_normal,
-                                             hist_min_exp=MIN_EXP, hist_bins=BINS, algorithm=algorithm))
+    got = full_stats(tensors, inv_scale=inv, subnormal_below=amp.smallest_normal,
+                     hist_min_exp=MIN_EXP, hist_bins=BINS, algorithm=algorithm).decode()
     for i, t in enumerate(tensors):
         _check(got, i, reference(t, scale, amp))
 
@@ -108,8 +109,8 @@ def test_whole_model_stats_are_the_total_of_per_tensor_stats(algorithm, case):
     inv = torch.tensor(1.0 / scale)
     kw = dict(inv_scale=inv, subnormal_below=amp.smallest_normal, hist_min_exp=MIN_EXP, hist_bins=BINS,
               algorithm=algorithm)
-    per = HostStats.from_device(tensor_stats(tensors, **kw)).total()
-    whole = HostStats.from_device(tensor_stats(tensors, per_tensor=False, **kw))
+    per = full_stats(tensors, **kw).decode().total()
+    whole = full_stats(tensors, per_tensor=False, **kw).decode()
     _check(whole, 0, reference(torch.cat([t.reshape(-1) for t in tensors]), scale, amp))
     for field in ("n_zero", "n_subnormal", "n_nan", "n_inf", "amax"):
         assert getattr(per, field)[0] == getattr(whole, field)[0]
@@ -122,18 +123,17 @@ def test_chunking_splits_large_tensors_without_changing_results(monkeypatch, alg
     tensors = [torch.randn(37, generator=gen) * 1e-3, torch.randn(5, 7, generator=gen), torch.zeros(0),
                torch.tensor([0.0, math.inf, math.nan, 1e-30])]
     kw = dict(inv_scale=torch.tensor(1.0 / 1024), subnormal_below=FLOAT16.smallest_normal, algorithm=algorithm)
-    expected = HostStats.from_device(tensor_stats(tensors, **kw))
+    expected = full_stats(tensors, **kw).decode()
     # tensors span chunks, chunks mix slots
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS" if algorithm == "accelerator" else "CPU_CHUNK_ELEMENTS", 6)
-    got = HostStats.from_device(tensor_stats(tensors, layouts=stats_module.SlotLayouts(), **kw))
+    monkeypatch.setattr(full_module, "CHUNK_ELEMENTS" if algorithm == "accelerator" else "CPU_CHUNK_ELEMENTS", 6)
+    got = full_stats(tensors, layouts=SlotLayouts(), **kw).decode()
     for field in HostStats.__dataclass_fields__:
         np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
 
 
 def test_non_power_of_two_scale():
     x = torch.tensor([3.0, -1000.0, 1e-3, 0.0], dtype=torch.float16)
-    got = HostStats.from_device(tensor_stats([x], inv_scale=torch.tensor(1 / 1000.0),
-                                             subnormal_below=FLOAT16.smallest_normal))
+    got = full_stats([x], inv_scale=torch.tensor(1 / 1000.0), subnormal_below=FLOAT16.smallest_normal).decode()
     ref = reference(x, 1000.0, FLOAT16)
     assert got.amax[0] == pytest.approx(ref["amax"], rel=1e-6)
     assert got.l2[0] == pytest.approx(ref["l2"], rel=1e-6)
@@ -142,7 +142,7 @@ def test_non_power_of_two_scale():
 
 def test_unscaled_statistics_without_a_scale():
     x = torch.tensor([2.0**-30, 4.0, -0.5])
-    got = HostStats.from_device(tensor_stats([x], inv_scale=None, subnormal_below=BFLOAT16.smallest_normal))
+    got = full_stats([x], inv_scale=None, subnormal_below=BFLOAT16.smallest_normal).decode()
     assert got.amax[0] == 4.0 and got.amin[0] == 2.0**-30
     assert got.hist[0, -30 - MIN_EXP] == 1 and got.hist[0, 2 - MIN_EXP] == 1 and got.hist[0, -1 - MIN_EXP] == 1
     assert got.n_subnormal[0] == 0
@@ -150,7 +150,7 @@ def test_unscaled_statistics_without_a_scale():
 
 def test_empty_input_is_rejected():
     with pytest.raises(ValueError):
-        tensor_stats([], inv_scale=None, subnormal_below=1.0)
+        full_stats([], inv_scale=None, subnormal_below=1.0)
 
 
 # The host algorithm's paths: small tensors grouped (also over several groups), large ones alone.
@@ -167,8 +167,8 @@ def test_light_stats_are_the_peak_and_norm(variant, case):
     algorithm = variant.split("-")[0]
     inv = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()
     patch = LIGHT_VARIANTS[variant]
-    with mock.patch.multiple(stats_module, **patch) if patch else contextlib.nullcontext():
-        got = HostStats.of(light_stats(tensors, inv_scale=inv, algorithm=algorithm))
+    with mock.patch.multiple(light_module, **patch) if patch else contextlib.nullcontext():
+        got = light_stats(tensors, inv_scale=inv, algorithm=algorithm).decode()
     assert got.light and got.hist.shape == (len(tensors), 0)
     for i, t in enumerate(tensors):
         values = t.double().abs().numpy().ravel()
@@ -196,20 +196,20 @@ def test_light_total_keeps_a_lower_bound_of_the_norm():
     """A step row of light statistics: the peak is non-finite when a tensor was, and the norm is
     that of the finite tensors."""
     tensors = [torch.tensor([3.0, -4.0]), torch.tensor([1.0, math.inf]), torch.tensor([0.0, 12.0])]
-    total = HostStats.of(light_stats(tensors, inv_scale=None)).total()
+    total = light_stats(tensors, inv_scale=None).decode().total()
     assert math.isinf(total.amax[0]) and total.l2[0] == pytest.approx(13.0)
     tensors[1] = torch.tensor([math.nan, 1.0])
-    assert math.isnan(HostStats.of(light_stats(tensors, inv_scale=None)).total().amax[0])
+    assert math.isnan(light_stats(tensors, inv_scale=None).decode().total().amax[0])
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_peaks_see_nan_and_inf(dtype, algorithm):
-    large = torch.full((stats_module.HOST_SMALL_BELOW,), -3.0, dtype=dtype)  # reduced on its own by "host"
+def test_tensor_peaks_see_nan_and_inf(dtype, algorithm):
+    large = torch.full((light_module.HOST_SMALL_BELOW,), -3.0, dtype=dtype)  # reduced on its own by "host"
     large[7] = math.nan
     tensors = [torch.tensor([1.0, -2.0, 0.5], dtype=dtype), torch.tensor([1.0, math.nan, -math.inf], dtype=dtype),
                torch.tensor([-math.inf, 7.0], dtype=dtype), torch.zeros(0, dtype=dtype), large, large.abs().nan_to_num()]
-    got = peaks(tensors, algorithm=algorithm)
+    got = tensor_peaks(tensors, algorithm=algorithm)
     assert got.dtype == torch.float32 and got[0] == 2.0 and torch.isnan(got[1]) and torch.isinf(got[2])
     assert got[3] == 0 and torch.isnan(got[4]) and got[5] == 3.0
 
@@ -221,8 +221,8 @@ def test_full_norm_has_no_float32_overflow_or_underflow(magnitude, algorithm):
     (host) or float64 sums (accelerator): neither squares beyond float32 (1e25**2) nor subnormal
     squares (1e-30**2) are lost."""
     values = torch.tensor([magnitude, -magnitude / 2, magnitude / 4, 0.0] * 3000, dtype=torch.float32)
-    got = HostStats.from_device(tensor_stats([values], inv_scale=None, subnormal_below=FLOAT16.smallest_normal,
-                                             algorithm=algorithm))
+    got = full_stats([values], inv_scale=None, subnormal_below=FLOAT16.smallest_normal,
+                     algorithm=algorithm).decode()
     expected = np.linalg.norm(values.double().numpy())
     assert got.l2[0] == pytest.approx(np.float32(expected), rel=2e-5)  # float32 partial sums
 
@@ -233,7 +233,7 @@ def test_light_norm_of_tiny_and_huge_gradients(magnitude, pairs):
     """The CPU light norm is right where float32 squares underflow or overflow (torch's own norm,
     and a plain dot product, gave 0 for 7.7e-31: found by hypothesis in a fresh environment)."""
     values = torch.tensor([magnitude, -magnitude / 3] * pairs, dtype=torch.float32)
-    got = HostStats.of(light_stats([values, values[:1].clone()], inv_scale=None))
+    got = light_stats([values, values[:1].clone()], inv_scale=None).decode()
     for i, t in enumerate([values, values[:1]]):
         expected = np.linalg.norm(t.double().numpy())
         assert got.l2[i] == pytest.approx(np.float32(expected), rel=1e-5)
@@ -271,8 +271,8 @@ def test_full_stats_accelerator_launches_grow_with_chunks_not_tensors(per_tensor
     for n in (10, 200):
         tensors = [t.reshape(-1) for t in _small_tensors(n, gen)]
         with OpCounter() as counter:
-            tensor_stats(tensors, inv_scale=torch.tensor(2.0**-10), per_tensor=per_tensor,
-                         subnormal_below=FLOAT16.smallest_normal, algorithm="accelerator")
+            full_stats(tensors, inv_scale=torch.tensor(2.0**-10), per_tensor=per_tensor,
+                       subnormal_below=FLOAT16.smallest_normal, algorithm="accelerator")
         totals.append(counter.launches)
     assert totals[0] == totals[1] and totals[0] < 40, totals
 
@@ -285,17 +285,17 @@ def test_accelerator_algorithm_on_fake_cuda_never_syncs(dtype, per_tensor):
     or that raise under ``torch.use_deterministic_algorithms(True)``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    layouts = stats_module.SlotLayouts()
+    layouts = SlotLayouts()
     with FakeTensorMode(), OpCounter() as counter:
         tensors = [torch.randn(n, device="cuda").to(dtype) for n in (7, 0, 300, 5)]
         inv = torch.full((), 2.0**-16, device="cuda")
         light = light_stats(tensors, inv_scale=inv)
-        full = tensor_stats(tensors, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor,
-                            layouts=layouts)
-        top = peaks(tensors)
+        full = full_stats(tensors, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor,
+                          layouts=layouts)
+        top = tensor_peaks(tensors)
     slots = len(tensors) if per_tensor else 1
     assert light.peaks.device.type == "cuda" and light.peaks.shape == (4,) and top.shape == (4,)
-    assert full.counts.shape == (slots * stats_module._STRIDE,) and full.amax.shape == (slots,)
+    assert full.counts.shape == (slots * SLOT_STRIDE,) and full.amax.shape == (slots,)
     assert full.amin_code.dtype == torch.int32 and full.sumsq.dtype == torch.float64
     assert not FORBIDDEN & set(counter.ops), FORBIDDEN & set(counter.ops)
 
@@ -306,7 +306,7 @@ def test_accelerator_algorithm_is_deterministic_and_allowed_in_deterministic_mod
     kw = dict(inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal, algorithm="accelerator")
     torch.use_deterministic_algorithms(True)
     try:
-        runs = [HostStats.from_device(tensor_stats(tensors, **kw)) for _ in range(2)]
+        runs = [full_stats(tensors, **kw).decode() for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(False)
     for field in HostStats.__dataclass_fields__:
@@ -354,12 +354,12 @@ class LiveBytes(OpCounter):
 def test_accelerator_temporaries_stay_near_16_bytes_per_element(monkeypatch, dtype):
     """Issue 17: the old scatter algorithm held ~64 bytes per element at its peak (256 MiB per
     2**22-element chunk, during unscale_)."""
-    monkeypatch.setattr(stats_module, "CHUNK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(full_module, "CHUNK_ELEMENTS", 1 << 16)
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=gen).to(dtype) for n in [1000] * 40 + [30_000, 70_000]]
     with LiveBytes(tensors) as tracker:
-        tensor_stats(tensors, inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal,
-                     algorithm="accelerator")
+        full_stats(tensors, inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal,
+                   algorithm="accelerator")
     per_element = tracker.peak / (1 << 16)
     assert 8 < per_element <= 16, per_element
 
@@ -367,12 +367,12 @@ def test_accelerator_temporaries_stay_near_16_bytes_per_element(monkeypatch, dty
 def test_layouts_of_a_large_model_are_all_cached():
     """GPT-2-XL's gradients make 193 chunk layouts; the old cache held 64 and cleared itself when
     full, so every full-statistics step missed (each miss a synchronous copy)."""
-    layouts = stats_module.SlotLayouts()
+    layouts = SlotLayouts()
     chunks = [tuple((slot, 10 * k, 10) for k, slot in enumerate(range(i, i + 3))) for i in range(193)]
     first = [layouts.get(torch.device("cpu"), c) for c in chunks]
     again = [layouts.get(torch.device("cpu"), c) for c in chunks]
     assert layouts.misses == 193 and all(a[0] is b[0] for a, b in zip(first, again))
-    small = stats_module.SlotLayouts(max_entries=2)
+    small = SlotLayouts(max_entries=2)
     for c in (chunks[0], chunks[1], chunks[0], chunks[2], chunks[0]):  # least recently used goes first
         small.get(torch.device("cpu"), c)
     assert small.misses == 3
@@ -387,8 +387,8 @@ def test_accelerator_algorithm_is_immune_to_the_zero_padded_foreach_max(monkeypa
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(70_000, generator=gen), torch.randn(100, generator=gen) * 1e-3, torch.zeros(5)]
     kw = dict(inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal)
-    host = HostStats.from_device(tensor_stats(tensors, algorithm="host", **kw))
-    accelerator = HostStats.from_device(tensor_stats(tensors, algorithm="accelerator", **kw))
+    host = full_stats(tensors, algorithm="host", **kw).decode()
+    accelerator = full_stats(tensors, algorithm="accelerator", **kw).decode()
     np.testing.assert_array_equal(accelerator.amin, host.amin)
     np.testing.assert_array_equal(accelerator.amax, host.amax)
     assert not np.isnan(host.amin[:2]).any() and np.isnan(host.amin[2])

@@ -16,7 +16,7 @@ Every test runs with three scalers (the ``mode`` fixture):
 
 Acceptance: the same pass/skip count in the three modes. A recording scaler that stops recording
 fails its test (its warning is made an error below). (The port found one: recording stopped at the
-first float64 gradient; fixed in ``stats._float32_norms``.) Recording
+first float64 gradient; fixed in ``stats.light._float32_norms``.) Recording
 scalers are closed (a wrapped one unwrapped) when the test ends. Models are tiny (8x8 linears, four
 iterations), as upstream's.
 """

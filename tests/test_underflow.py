@@ -50,8 +50,8 @@ def test_low_scale_shows_underflow_high_scale_shows_none(tmp_path):
 
 
 def _layer_rates(path):
-    from ampdoctor.analysis.report import layers_report
-    return {r["name"]: r for r in layers_report(path)["layers"] if r["kind"] == "param_grad"}
+    from ampdoctor.analysis.layers import layers_data
+    return {r["name"]: r for r in layers_data(path)["layers"] if r["kind"] == "param_grad"}
 
 
 def test_underflow_rate_matches_an_fp32_reference(tmp_path):

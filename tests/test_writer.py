@@ -189,7 +189,7 @@ def test_bug_in_the_recorder_warns_once_and_training_goes_on(run_path, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("a bug of ours")
 
-    monkeypatch.setattr(recorder, "tensor_stats", broken)
+    monkeypatch.setattr(recorder, "full_stats", broken)
     torch.manual_seed(0)
     model = MLP()
     scaler = ampdoctor.GradScaler("cpu", model=model, path=run_path)
@@ -278,9 +278,42 @@ def test_a_stalled_disk_never_holds_a_step(run_path, hung_disk, monkeypatch):
     assert closing < 0.5 + 0.4, closing
     messages = [str(w.message) for w in caught if "ampdoctor" in str(w.message)]
     assert sum("fell behind" in m for m in messages) == 1, messages
+    assert sum("did not finish" in m for m in messages) == 1, messages
     assert recorder.dropped_steps >= 30
     reference = _reference_with(lambda i: 1e30 if i in overflow else 1.0, 40)
     assert all(torch.equal(a, b) for a, b in zip(params, reference))
+
+
+def test_close_returns_within_its_timeout_while_a_write_hangs(tmp_path):
+    """RunWriter on its own: a write that hangs (a stalled disk) does not hold close() beyond its
+    timeout; the writer stays registered, so the exit handler gives it its time, and finishes the
+    run once the disk comes back."""
+    import pyarrow.parquet as pq
+
+    from ampdoctor import writer
+    from ampdoctor.schema import HIST_BINS, META_FINAL
+
+    release, taken = threading.Event(), threading.Event()
+
+    def hung(record):
+        taken.set()
+        release.wait(30)
+        return [], False
+
+    w = writer.RunWriter(tmp_path / "run.parquet", metadata=dict, materialize=hung, hist_bins=HIST_BINS)
+    try:
+        assert w.put("a record") and taken.wait(10)
+        start = time.monotonic()
+        assert w.close(timeout=0.3) is False
+        assert w.close(timeout=0.3) is False  # idempotent, and as bounded the second time
+        assert time.monotonic() - start < 2
+        assert w.closed and w in writer._open_writers and not w.put("too late")
+    finally:
+        release.set()
+    writer.close_all_writers(timeout=10)  # the exit handler's turn: the worker finishes now
+    assert w not in writer._open_writers
+    (segment,) = (tmp_path / "run.parquet").iterdir()
+    assert pq.read_metadata(segment).metadata[META_FINAL.encode()] == b"true"
 
 
 def _reference_with(loss_factor, steps):
@@ -314,8 +347,7 @@ def test_dropped_steps_are_written_into_the_run_and_reported(run_path, monkeypat
     assert run.dropped_steps == dropped  # the writer's last segment carries its count
     assert any(w.startswith(f"{dropped} step(s) were not recorded") for w in run.warnings)
     assert len(_steps(run_path)) == 60 - dropped
-    from ampdoctor.analysis.report import build_report
-    assert any(f"{dropped} step(s) were not recorded" in w for w in build_report(run_path)["warnings"])
+    assert any(f"{dropped} step(s) were not recorded" in w for w in ampdoctor.report(run_path)["warnings"])
 
 
 def test_a_dead_writer_thread_is_noticed_at_the_next_step(run_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Where the non-finite values of an anomalous step came from (DESIGN.md, numerics glossary).
+"""Where the non-finite values of an anomalous step came from (docs/numerics.md, Origins).
 
 * The **forward origin** of a step is the first module, in forward execution order, with a
   non-finite output. A module's output row is written when it returns, so a child comes before
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..hooks import ROOT_NAME
+from ..schema import ROOT_NAME
 from ..run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses

@@ -1,7 +1,8 @@
-"""Recommended loss-scaler settings: a search over configurations with the simulator.
+"""Recommended loss-scaler settings: a search over configurations with the replay; the verdict, and
+the findings behind it (reasons) and beyond it (advice).
 
 Every candidate (init_scale 2^0..2^24, growth_interval 100..10000, growth and backoff factors) is
-replayed on the recorded steps (:mod:`ampdoctor.analysis.simulate`). Its cost is
+replayed on the recorded steps (:mod:`ampdoctor.analysis.replay`). Its cost is
 ``skipped + steady + uncertain / 2 + UNDERFLOW_WEIGHT · steps · underflow_rate``: an underflow rate of
 0.1% over the whole run costs as much as skipping 1% of its steps. ``steady`` counts the skips of a
 second pass over the recorded steps, continuing from the first pass's scaler state, so that a
@@ -16,7 +17,7 @@ spike), unless the current settings are among them, which the run itself showed 
 one that changes fewest settings; then torch's defaults; then the init_scale and then the
 growth_interval closest to torch's defaults (the underflow is already within the tolerance).
 
-Underflow is compared by its lower bound: the undecided zeros (:mod:`~ampdoctor.analysis.simulate`)
+Underflow is compared by its lower bound: the undecided zeros (:mod:`~ampdoctor.analysis.replay`)
 add about the same to every candidate's upper bound, so they do not change the ranking; the
 contract reports each range.
 
@@ -34,9 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..hooks import ROOT_NAME
-from ..render.formatting import percent, scale_str
-from .simulate import Outcome, Replay, ScalerConfig, replay, underflow_fields
+from ..schema import ROOT_NAME
+from .contract_fields import underflow_fields
+from .findings import Finding
+from .replay import Outcome, Replay, replay
+from .scaler_config import TORCH_SETTINGS, ScalerConfig
 
 UNDERFLOW_WEIGHT = 10.0
 UNCERTAIN_WEIGHT = 0.5        # a step that may or may not overflow costs half a skipped one
@@ -70,8 +73,7 @@ def candidates(current: ScalerConfig | None) -> list[ScalerConfig]:
 
 
 def _changed(cfg: ScalerConfig, base: ScalerConfig) -> int:
-    return sum(getattr(cfg, k) != getattr(base, k)
-               for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval"))
+    return sum(getattr(cfg, k) != getattr(base, k) for k in TORCH_SETTINGS)
 
 
 def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, device: str = "cuda",
@@ -121,12 +123,11 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     else:
         verdict = "change"
     reasons = _reasons(prepared, current, actual, baseline, pick, settle_step)
-    advice = _advice(prepared, verdict, pick, worst_modules or [], hot_activations or [], current, known,
-                     outside or [])
+    advice = _advice(prepared, verdict, worst_modules or [], hot_activations or [], current, known, outside or [])
     return {
         "init_scale": cfg.init_scale, "growth_factor": cfg.growth_factor, "backoff_factor": cfg.backoff_factor,
         "growth_interval": int(cfg.growth_interval), "target_dtype": prepared.target.name, "verdict": verdict,
-        "code": cfg.code(device, current),
+        "code": Finding("scaler_code", {"device": device, "settings": cfg.shown_settings(current)}),
         "reasons": reasons, "advice": advice,
         "current": {"skipped_steps": int(actual["skipped_steps"]),
                     **{k: actual[k] for k in ("underflow_rate", "underflow_rate_min", "underflow_rate_max")}},
@@ -139,55 +140,40 @@ def _fields(outcome: Outcome) -> dict:
     return underflow_fields(outcome.underflow_rate, outcome.underflow_upper)
 
 
-def _underflow(fields: dict) -> str:
-    """``no underflow``, ``0.5% underflow`` or ``between 0.001% and 96% underflow``."""
-    if fields["underflow_rate"] is None:
-        return (f"between {percent(fields['underflow_rate_min'])} and {percent(fields['underflow_rate_max'])} "
-                f"underflow")
-    rate = fields["underflow_rate"]
-    return "no underflow" if rate == 0 else f"{percent(rate)} underflow"
-
-
-def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome, settle_step) -> list[str]:
+def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome, settle_step) -> list[Finding]:
     series = prepared.series
-    cfg = pick.config
     predicted = _fields(pick)
+    recorded = {k: actual[k] for k in ("underflow_rate", "underflow_rate_min", "underflow_rate_max")}
     out = []
     if current is None:
-        out.append(f"recorded in {series.fmt.name} without loss scaling; replayed in {prepared.target.name}: torch's "
-                   f"default GradScaler() would skip {baseline.skipped_steps} of {len(series)} steps with "
-                   f"{_underflow(_fields(baseline))}")
+        out.append(Finding("replayed_without_loss_scaling", {
+            "recorded": series.fmt.name, "target": prepared.target.name, "skipped": baseline.skipped_steps,
+            "steps": len(series), "underflow": _fields(baseline)}))
     else:
-        median = scale_str(float(np.median(series.scale)))
+        median = float(np.median(series.scale))
         if settle_step:
-            out.append(f"init_scale={scale_str(current.init_scale)} overflowed at the start: the first "
-                       f"{settle_step} step(s) were skipped while the scale backed off to "
-                       f"{scale_str(series.scale[min(settle_step, len(series) - 1)])}")
+            out.append(Finding("start_up_backoff", {
+                "init_scale": current.init_scale, "skipped": settle_step,
+                "settled_scale": float(series.scale[min(settle_step, len(series) - 1)])}))
         after_growth = _skips_after_growth(series)
         if after_growth >= 2:
-            out.append(f"{after_growth} of the {int(series.skipped.sum())} skipped steps came right after the scale "
-                       f"grew (growth_interval={current.growth_interval}): the scale keeps growing back into "
-                       f"overflow")
+            out.append(Finding("skips_after_growth", {"after_growth": after_growth,
+                                                      "skipped": int(series.skipped.sum()),
+                                                      "growth_interval": current.growth_interval}))
         if actual["underflow_rate"] is None:
             undecided = (actual["underflow_rate_max"] or 0.0) - (actual["underflow_rate_min"] or 0.0)
-            out.append(f"at the recorded scales (median {median}) {_underflow(actual).removesuffix(' underflow')} "
-                       f"of gradient elements underflowed to zero: {percent(undecided)} are zeros the record cannot "
-                       f"call underflow or structure (gradients 0 everywhere, or zeros of gradients that reach "
-                       f"the cut-off in numbers)")
+            out.append(Finding("recorded_underflow_range", {"median_scale": median, "underflow": recorded,
+                                                            "undecided": undecided}))
         elif actual["underflow_rate"] > 1e-4:
-            out.append(f"at the recorded scales an estimated {percent(actual['underflow_rate'])} of gradient elements "
-                       f"underflowed to zero (median scale {median})")
-    out.append(f"overflow starts where the largest gradient times the scale reaches about "
-               f"2**{prepared.threshold.log2:.1f} (from {prepared.threshold.source})")
+            out.append(Finding("recorded_underflow", {"rate": actual["underflow_rate"], "median_scale": median}))
+    out.append(Finding("overflow_threshold", {"log2": prepared.threshold.log2, "source": prepared.threshold.source}))
     if current is not None and pick.config == current:
-        out.append(f"the current settings are the best found: {pick.skipped_steps} skipped step(s), "
-                   f"{_underflow(predicted)}")
+        out.append(Finding("current_settings_best", {"skipped": pick.skipped_steps, "underflow": predicted}))
     else:
-        underflow = (f"still {_underflow(predicted)}" if predicted["underflow_rate"] == actual["underflow_rate"] == 0
-                     else f"{_underflow(predicted)} instead of {_underflow(actual)}")
-        out.append(f"with {cfg.settings(current)} the replay predicts "
-                   f"{pick.skipped_steps} skipped step(s) instead of {actual['skipped_steps']}, and {underflow}"
-                   + (f" ({pick.uncertain_steps} more step(s) uncertain)" if pick.uncertain_steps else ""))
+        out.append(Finding("replay_predicts", {
+            "settings": pick.config.shown_settings(current), "skipped": pick.skipped_steps,
+            "recorded_skipped": actual["skipped_steps"], "underflow": predicted, "recorded_underflow": recorded,
+            "uncertain": pick.uncertain_steps}))
     return out
 
 
@@ -198,39 +184,27 @@ def _skips_after_growth(series) -> int:
     return int((grew & series.skipped & ~series.forced).sum())
 
 
-def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot: list[tuple[str, float]],
-            current, known: bool, outside: list[str]) -> list[str]:
+def _advice(prepared: Replay, verdict: str, worst: list[str], hot: list[tuple[str, float]], current,
+            known: bool, outside: list[str]) -> list[Finding]:
     series = prepared.series
+    target = prepared.target
     out = []
-    named = ", ".join(f"`{m}`" for m in worst[:3])
     for module, peak in hot[:3]:
-        out.append(f"`{module}` produced activations up to {peak:.3g}, beyond {prepared.target.name}'s max "
-                   f"{prepared.target.max:g}: its output overflows at any loss scale; keep it in float32 with "
-                   f"`torch.autocast(device_type, enabled=False)` or train in bfloat16")
+        out.append(Finding("activation_beyond_format", {"module": module, "peak": peak, "dtype": target.name,
+                                                        "dtype_max": target.max}))
     for after in outside[:2]:
-        where = ("the gradient of the loss with respect to the model's output" if after == ROOT_NAME else
-                 f"the gradient flowing back into `{after}`'s output from the code that consumes it (functional "
-                 f"ops after it, or the loss)")
-        fix = "" if verdict == "no_scale_works" else ", which the settings above see to"
-        out.append(f"overflows start outside every tapped module, in {where}: {prepared.target.name} must hold it "
-                   f"times the loss scale{fix}"
-                   + ("" if after == ROOT_NAME else "; to have the op named, move that code into a module"))
+        out.append(Finding("overflow_outside_modules", {
+            "after": after, "at_model_output": after == ROOT_NAME, "dtype": target.name,
+            "settings_fix_it": verdict != "no_scale_works"}))
     if not known and current is not None:
-        again = ("record again with the settings above" if verdict == "change" else
-                 "record again at a higher scale or with the loss scaled up")
-        out.append(f"at scale {scale_str(float(np.median(series.scale)))} some zeros cannot be called underflow or "
-                   f"structure (the layers whose 'at most' exceeds their underflow: gradients 0 everywhere, or "
-                   f"zeros of gradients that reach the cut-off in numbers). If those parameters should learn, "
-                   f"{again} and compare: a gradient that reappears at a higher scale had underflowed")
+        out.append(Finding("undecided_zeros", {"median_scale": float(np.median(series.scale)),
+                                               "settings_changed": verdict == "change"}))
     if verdict == "no_scale_works":
         good = series.amax[series.amax > 0]
-        span = (f" (gradients span 2**{np.log2(good.min()):.0f} to 2**{np.log2(good.max()):.0f})"
-                if len(good) else "")
-        out.append(f"no loss scale keeps both skipped steps under {percent(BAD_SKIPPED)} and underflow under "
-                   f"{percent(BAD_UNDERFLOW)} in {prepared.target.name}{span}: the window between overflow and "
-                   f"underflow is too narrow. Train in bfloat16 (`torch.autocast(..., dtype=torch.bfloat16)`, no "
-                   f"GradScaler needed)" + (f", or keep {named} in float32 with `autocast(enabled=False)`"
-                                             if named else ""))
+        out.append(Finding("no_scale_fits", {
+            "max_skipped": BAD_SKIPPED, "max_underflow": BAD_UNDERFLOW, "dtype": target.name,
+            "span_log2": (float(np.log2(good.min())), float(np.log2(good.max()))) if len(good) else None,
+            "modules": worst[:3]}))
     # Collapsed: after the start-up backoff the scale fell far below where it settled (or below 1)
     # and the last quarter keeps skipping. Growth that overflows again is not a collapse.
     n = len(series)
@@ -240,16 +214,12 @@ def _advice(prepared: Replay, verdict: str, pick: Outcome, worst: list[str], hot
     fell = (tail.start < n and series.recorded_scale[tail].max() <= series.recorded_scale[settled] / COLLAPSE_FACTOR)
     if current is not None and settled < n and (series.recorded_scale[settled:].min() < 1.0 or (late > 0.2 and fell)):
         finite = series.l2[(~series.skipped) & np.isfinite(series.l2)]
-        clip = f"{np.percentile(finite, 95):.3g}" if len(finite) else "1.0"
-        out.append(f"the scale collapsed (min {scale_str(float(series.recorded_scale.min()))}, {percent(late)} of the last "
-                   f"quarter's steps skipped): gradients grew until they overflow at any scale, which is an "
-                   f"optimisation problem: lower the learning rate, or clip after unscaling with "
-                   f"`scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})` "
-                   f"(the 95th percentile of the recorded gradient norm)")
+        out.append(Finding("scale_collapsed", {
+            "min_scale": float(series.recorded_scale.min()), "late_skipped": float(late),
+            "clip": float(np.percentile(finite, 95)) if len(finite) else None}))  # the 95th percentile norm
     if series.forced.any():
-        first = int(series.steps[np.argmax(series.forced)])
-        out.append(f"{int(series.forced.sum())} step(s) had a non-finite loss (first at step {first}); no scaler "
-                   f"setting avoids that: run `ampdoctor postmortem` on this run")
+        out.append(Finding("nonfinite_losses", {"steps": int(series.forced.sum()),
+                                                "first": int(series.steps[np.argmax(series.forced)])}))
     if verdict == "keep" and not out:
-        out.append("the current GradScaler settings are fine for this run")
+        out.append(Finding("settings_fine"))
     return out

@@ -76,6 +76,12 @@ def number(x: float | None) -> str:
     return f"{x:.3g}"
 
 
+def number_or_word(x: float | str | None) -> str:
+    """A value the analyses give as a number or, where no number applies, as a word
+    (``"non-finite"``): the number as :func:`number`, the word as it is."""
+    return x if isinstance(x, str) else number(x)
+
+
 def binades(x: float | None) -> str:
     """A log2 distance such as headroom, signed with one decimal: ``+3.2``, ``-1.0``."""
     if _missing(x):
@@ -107,13 +113,14 @@ VERDICTS = {
 }
 
 
-def shorten(name: str, width: int = 48) -> str:
-    """``name`` cut to ``width`` characters with an ellipsis in the middle. Qualified names differ
-    most in their tail (``layers.11.attn.out_proj.weight``), so the tail keeps two thirds."""
+def shorten(name: str, width: int = 48, *, keep_head: bool = True) -> str:
+    """``name`` cut to ``width`` characters with an ellipsis. Qualified names differ most in their
+    tail (``layers.11.attn.out_proj.weight``): the tail keeps two thirds, and all but the ellipsis
+    with ``keep_head=False`` (``…attn.out_proj.weight``, for narrow text columns)."""
     if len(name) <= width:
         return name
     if width < 4:
         return name[:width]
-    tail = (width - 1) * 2 // 3
+    tail = (width - 1) * 2 // 3 if keep_head else width - 1
     head = width - 1 - tail
     return f"{name[:head]}…{name[len(name) - tail:]}"

@@ -8,12 +8,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from . import sections
 from .formatting import VERDICTS, binades, code_spans, number, origin_name, percent, scale_str, setting, underflow
-
-LAYER_ROWS = 50
-SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
-SIM_KEYS = SCALER_KEYS + ("hysteresis", "min_scale", "max_scale")
-SECTIONS = ("scale", "layers", "overflow_origins", "recommendation")
+from .sections import REPLAY_KEYS, SCALER_KEYS, Section
 
 # CommonMark lets a backslash escape any ASCII punctuation; these are the ones that can start
 # emphasis, links, code, HTML, entities or table cells in the middle of a line.
@@ -93,9 +90,15 @@ def _field(label: str, value: object) -> str:
     return f"- **{label}**: {_inline(value)}"
 
 
-def _missing_note(missing: dict, section: str) -> list[str]:
-    msg = missing.get(section)
-    return ["", f"> {_text(msg)}"] if msg else []
+def _note(message: str | None) -> list[str]:
+    """A note from the data (why a section is missing) as a quote."""
+    return ["", f"> {_text(message)}"] if message else []
+
+
+def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
+    """The section's placeholder when it has no data, and its ``missing`` note."""
+    empty = sections.placeholder(section, has_data, missing)
+    return ([empty] if empty else []) + _note(sections.missing_note(missing, section))
 
 
 def _layer_table(layers: Sequence[dict]) -> list[str]:
@@ -111,24 +114,19 @@ def _layer_table(layers: Sequence[dict]) -> list[str]:
 
 
 def _run_section(run: dict) -> list[str]:
-    sc = run.get("scaler") or {}
-    args = ", ".join(f"{k}={setting(k, sc.get(k))}" for k in SCALER_KEYS if k in sc)
-    call = f"{sc.get('class', 'GradScaler')}({args})"
-    ranks, ended = run.get("ranks"), run.get("ended_cleanly")
+    ranks = run.get("ranks")
     return [
-        "## Run", "",
         f"- **path**: {_code(run.get('path', ''), in_table=False)}",
         _field("steps", f"{run.get('steps', '—')}" + (f" on {ranks} rank(s)" if ranks is not None else "")),
         _field("AMP dtype", f"{run.get('amp_dtype') or '—'} on {run.get('device') or 'unknown device'}"),
         _field("recording level", run.get("level") or "—"),
-        f"- **scaler**: {_code(call, in_table=False)}",
-        _field("ended cleanly", "—" if ended is None else "yes" if ended
-               else "no (killed, crashed or still running)"),
+        f"- **scaler**: {_code(sections.scaler_call(run.get('scaler') or {}), in_table=False)}",
+        _field("ended cleanly", sections.ended_cleanly(run.get("ended_cleanly"))),
     ]
 
 
 def _scale_section(scale: dict | None, missing: dict) -> list[str]:
-    lines = ["## Loss scale", ""]
+    lines = []
     if scale:
         settle = scale.get("settle_step")
         lines += [
@@ -139,55 +137,41 @@ def _scale_section(scale: dict | None, missing: dict) -> list[str]:
                    f"{scale.get('skipped_steps', '—')} ({percent(scale.get('skipped_fraction'))})"),
             _field("settled by step", "—" if settle is None else settle),
         ]
-    elif not missing.get("scale"):
-        lines.append("No loss-scale data.")
-    return lines + _missing_note(missing, "scale")
+    return lines + _unless_data(sections.SCALE, bool(scale), missing)
 
 
 def _layers_section(layers: Sequence[dict], missing: dict) -> list[str]:
-    lines = ["## Layers", ""]
+    lines = []
     if layers:
-        shown = layers[:LAYER_ROWS]
-        if len(layers) > len(shown):
-            lines += [f"The {len(shown)} worst of {len(layers)} layers by underflow rate.", ""]
-        lines += _layer_table(shown)
-    elif not missing.get("layers"):
-        lines.append("No per-layer statistics.")
-    return lines + _missing_note(missing, "layers")
+        shown, note = sections.layers_shown(layers)
+        lines += ([note, ""] if note else []) + _layer_table(shown)
+    return lines + _unless_data(sections.LAYERS, bool(layers), missing)
 
 
 def _origins_section(origins: Sequence[dict], missing: dict) -> list[str]:
-    lines = ["## Overflow origins", ""]
+    lines = []
     if origins:
         rows = [[origin_name(o), o.get("kind", ""), o.get("rank", "—"), o.get("count", "—"),
                  o.get("first_step", "—"), o.get("last_step", "—")] for o in origins]
         lines += _table(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
                         right=(2, 3, 4, 5), code=(0, 1))
-    elif not missing.get("overflow_origins"):
-        lines.append("No overflow was recorded.")
-    return lines + _missing_note(missing, "overflow_origins")
+    return lines + _unless_data(sections.ORIGINS, bool(origins), missing)
 
 
 def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> list[str]:
-    lines = ["## Recommendation", ""]
+    lines = []
     if rec:
         verdict, target = rec.get("verdict"), rec.get("target_dtype")
         lines += [f"**{_inline(VERDICTS.get(verdict, verdict or 'No verdict.'))}**"
                   + (f" (target format {_inline(target)})" if target else ""), ""]
-        rows = [[k, setting(k, current.get(k)), setting(k, rec.get(k))] for k in SCALER_KEYS]
-        lines += _table(["setting", "current", "recommended"], rows, right=(1, 2), code=(0,)) + [""]
-        cur, pred = rec.get("current") or {}, rec.get("predicted") or {}
-        rows = [["skipped steps", cur.get("skipped_steps", "—"), pred.get("skipped_steps", "—")],
-                ["underflow rate", underflow(cur), underflow(pred)]]
-        lines += _table(["on this run", "current", "predicted"], rows, right=(1, 2))
+        lines += _table(sections.SETTINGS_HEADERS, sections.settings_rows(current, rec), right=(1, 2), code=(0,))
+        lines += [""] + _table(sections.OUTCOME_HEADERS, sections.outcome_rows(rec), right=(1, 2))
         if rec.get("code"):
             lines += [""] + _fence(rec["code"], "python")
         for title, key in (("Reasons", "reasons"), ("Advice", "advice")):
             if rec.get(key):
                 lines += ["", f"### {title}", ""] + _bullets(rec[key])
-    elif not missing.get("recommendation"):
-        lines.append("No recommendation.")
-    return lines + _missing_note(missing, "recommendation")
+    return lines + _unless_data(sections.RECOMMENDATION, bool(rec), missing)
 
 
 def report_markdown(report: dict) -> str:
@@ -195,16 +179,21 @@ def report_markdown(report: dict) -> str:
     origins, recommendation, warnings, and why any section is missing."""
     run = report.get("run") or {}
     missing = report.get("missing") or {}
-    lines = ["# ampdoctor report", ""]
-    lines += _run_section(run) + [""]
-    lines += _scale_section(report.get("scale"), missing) + [""]
-    lines += _layers_section(report.get("layers") or [], missing) + [""]
-    lines += _origins_section(report.get("overflow_origins") or [], missing) + [""]
-    lines += _recommendation_section(report.get("recommendation"), run.get("scaler") or {}, missing) + [""]
-    lines += ["## Warnings", ""] + (_bullets(report.get("warnings") or []) or ["None."])
-    other = {k: v for k, v in missing.items() if k not in SECTIONS}
+    parts = [
+        (sections.RUN, _run_section(run)),
+        (sections.SCALE, _scale_section(report.get("scale"), missing)),
+        (sections.LAYERS, _layers_section(report.get("layers") or [], missing)),
+        (sections.ORIGINS, _origins_section(report.get("overflow_origins") or [], missing)),
+        (sections.RECOMMENDATION,
+         _recommendation_section(report.get("recommendation"), run.get("scaler") or {}, missing)),
+        (sections.WARNINGS, _bullets(report.get("warnings") or []) or [sections.WARNINGS.empty]),
+    ]
+    other = sections.unplaced_notes(missing)
     if other:
-        lines += ["", "## Not available", ""] + [_field(_inline(k), v) for k, v in other.items()]
+        parts.append((sections.NOT_AVAILABLE, [_field(_inline(k), v) for k, v in other.items()]))
+    lines = ["# ampdoctor report"]
+    for section, body in parts:
+        lines += ["", f"## {section.title}", ""] + body
     return "\n".join(lines) + "\n"
 
 
@@ -219,7 +208,8 @@ def simulate_markdown(sim: dict) -> str:
                    f"{sim.get('target_dtype') or '—'}."),
              "", "## Settings", ""]
     lines += _table(["setting"] + cols,
-                    [[k] + [setting(k, (r.get("config") or {}).get(k)) for r in runs] for k in SIM_KEYS],
+                    [[k] + [setting(k, (r.get("config") or {}).get(k)) for r in runs]
+                     for k in SCALER_KEYS + REPLAY_KEYS],
                     right=right, code=(0,))
     outcome = [
         ["skipped steps"] + [f"{r.get('skipped_steps', '—')} ({percent(r.get('skipped_fraction'))})"
@@ -279,22 +269,12 @@ def postmortem_markdown(pm: dict) -> str:
                    f"step {_inline(origin.get('step'))}, rank {_inline(origin.get('rank'))}")
     out.append("")
     if pm.get("timeline"):
-        rows = [[r["step"], scale_str(r["scale"]), "yes" if r["skipped"] else "",
-                 _cell(r["loss"]), _cell(r["grad_norm"]), _cell(r["max_activation"]),
-                 r["max_activation_module"] or "—"]
-                for r in pm["timeline"]]
+        rows = [sections.timeline_cells(r) + [r["max_activation_module"] or "—"] for r in pm["timeline"]]
         out += ["## Steps before the event", ""]
-        out += _table(["step", "scale", "skipped", "loss", "grad norm", "max activation", "module"], rows,
-                      right=(0, 1, 3, 4, 5), code=(6,))
+        out += _table(sections.TIMELINE_HEADERS, rows, right=(0, 1, 3, 4, 5), code=(6,))
         out.append("")
     if pm.get("advice"):
         out += ["## What to change", ""] + [f"{i}. {_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]
     if pm.get("notes"):
         out += ["## Not determined / notes", ""] + _bullets(pm["notes"]) + [""]
     return "\n".join(out).rstrip() + "\n"
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "—"
-    return value if isinstance(value, str) else number(value)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .formatting import VERDICTS, binades, number, origin_name, percent, scale_str, setting, underflow
+from . import sections
+from .formatting import VERDICTS, binades, number, origin_name, percent, scale_str, setting, shorten, underflow
 
 
 def _size(n: int) -> str:
@@ -10,7 +11,6 @@ def _size(n: int) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} B"
 
 
 def info_text(info: dict) -> str:
@@ -55,10 +55,6 @@ def _heading(title: str, color: bool) -> str:
     return _style(title, color, bold=True)
 
 
-def _clip(name: str, width: int) -> str:
-    return name if len(name) <= width else "…" + name[-(width - 1):]
-
-
 def _wrap(text: str, indent: str = "  - ", width: int = WIDTH) -> list[str]:
     import textwrap
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=" " * len(indent)) or [indent]
@@ -71,7 +67,8 @@ def layers_table(layers: list[dict], top: int | None = None) -> list[str]:
             f"{'amax':>8}")
     lines = [head]
     for r in rows:
-        lines.append(f"{_clip(r['name'], 31):<31} {r['kind']:<11} {percent(r['underflow_rate']):>9} "
+        lines.append(f"{shorten(r['name'], 31, keep_head=False):<31} {r['kind']:<11} "
+                     f"{percent(r['underflow_rate']):>9} "
                      f"{percent(r.get('underflow_rate_max')):>8} "
                      f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
@@ -83,13 +80,9 @@ def layers_table(layers: list[dict], top: int | None = None) -> list[str]:
 def report_text(report: dict, color: bool = False, top: int = 15) -> str:
     """``ampdoctor report`` for the terminal."""
     run, scale, rec, missing = report["run"], report["scale"], report["recommendation"], report["missing"]
-    sc = run["scaler"]
-    out = [_heading(f"ampdoctor report  {_clip(str(run['path']), WIDTH - 18)}", color)]
+    out = [_heading(f"ampdoctor report  {shorten(str(run['path']), WIDTH - 18, keep_head=False)}", color)]
     out += _wrap(f"{run['steps']} steps, {run['ranks']} rank(s), {run['amp_dtype']} on {run['device']}, level "
-                 f"{run['level']}; {sc['class']}(init_scale={scale_str(sc['init_scale'])}, growth_factor="
-                 f"{setting('growth_factor', sc['growth_factor'])}, backoff_factor="
-                 f"{setting('backoff_factor', sc['backoff_factor'])}, growth_interval="
-                 f"{setting('growth_interval', sc['growth_interval'])})", "")
+                 f"{run['level']}; {sections.scaler_call(run['scaler'])}", "")
     out.append("")
     out.append(_heading("Loss scale", color))
     if scale is None:
@@ -110,7 +103,8 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
         for o in report["overflow_origins"][:10]:
             steps = (f"step {o['first_step']}" if o["first_step"] == o["last_step"]
                      else f"steps {o['first_step']}..{o['last_step']}")
-            out.append(f"  {o['count']:>4}x  {_clip(origin_name(o), 50)} ({o['kind']}, rank {o['rank']}), {steps}")
+            out.append(f"  {o['count']:>4}x  {shorten(origin_name(o), 50, keep_head=False)} ({o['kind']}, "
+                       f"rank {o['rank']}), {steps}")
     else:
         out += _wrap(missing.get("overflow_origins", "none: no step overflowed"), "  ")
     out += ["", _heading("Recommendation", color)]
@@ -138,9 +132,8 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
 def simulate_text(sim: dict) -> str:
     """``ampdoctor simulate``: the prediction next to what the run did."""
     cfg, actual = sim["config"], sim["actual"]
-    settings = ", ".join(f"{k}={setting(k, cfg[k])}" for k in
-                         ("init_scale", "growth_factor", "backoff_factor", "growth_interval") )
-    extra = [f"{k}={setting(k, cfg[k])}" for k in ("hysteresis", "min_scale", "max_scale")
+    settings = ", ".join(f"{k}={setting(k, cfg[k])}" for k in sections.SCALER_KEYS)
+    extra = [f"{k}={setting(k, cfg[k])}" for k in sections.REPLAY_KEYS
              if cfg.get(k) not in (None, 1, 0.0)]
     lines = [f"simulated {sim['steps']} recorded steps in {sim['target_dtype']} with GradScaler({settings}"
              + (", " + ", ".join(extra) if extra else "") + ")", ""]
@@ -159,10 +152,11 @@ def simulate_text(sim: dict) -> str:
         lines.append(f"{sim['uncertain_steps']} more step(s) may also overflow: their magnitude is only a lower bound")
     lines.append(f"overflow threshold: largest gradient x scale > 2**{sim['threshold']['overflow_log2']:.1f} "
                  f"({sim['threshold']['source']})")
-    top = [layer for layer in sim["layers"] if (layer.get("underflow_rate_max") or layer["underflow_rate"] or 0) > 0][:10]
+    top = [layer for layer in sim["layers"]
+           if (layer.get("underflow_rate_max") or layer["underflow_rate"] or 0) > 0][:10]
     if top:
         lines += ["", "layers that would underflow:"]
-        lines += [f"  {_clip(layer['name'], 60):<60} {underflow(layer):>15}" for layer in top]
+        lines += [f"  {shorten(layer['name'], 60, keep_head=False):<60} {underflow(layer):>15}" for layer in top]
     for note in sim["notes"]:
         lines += _wrap(note, "note: ", WIDTH)
     return "\n".join(lines)
@@ -187,18 +181,10 @@ CAUSE_TITLES = {
 }
 
 
-def _cell(value) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, str):
-        return value
-    return number(value)
-
-
 def postmortem_text(pm: dict, color: bool = False) -> str:
     """``ampdoctor postmortem`` for the terminal."""
     run = pm["run"]
-    out = [_heading(f"ampdoctor postmortem  {_clip(str(run['path']), WIDTH - 22)}", color),
+    out = [_heading(f"ampdoctor postmortem  {shorten(str(run['path']), WIDTH - 22, keep_head=False)}", color),
            f"{run['steps']} steps, {run['ranks']} rank(s), level {run['level']}", ""]
     if pm["status"] == "healthy":
         out.append(_style("healthy: no non-finite loss, parameter or run of skipped steps", color, fg="green"))
@@ -217,9 +203,9 @@ def postmortem_text(pm: dict, color: bool = False) -> str:
                 f"  {'step':>7} {'scale':>9} {'skip':>5} {'loss':>10} {'grad norm':>10} "
                 f"{'max activation':>15}  module"]
         for r in pm["timeline"]:
-            module = _clip(r["max_activation_module"] or "—", 32)
-            out.append(f"  {r['step']:>7} {scale_str(r['scale']):>9} {'yes' if r['skipped'] else '':>5} "
-                       f"{_cell(r['loss']):>10} {_cell(r['grad_norm']):>10} {_cell(r['max_activation']):>15}  {module}")
+            step, scale, skipped, loss, grad_norm, activation = sections.timeline_cells(r)
+            module = shorten(r["max_activation_module"] or "—", 32, keep_head=False)
+            out.append(f"  {step:>7} {scale:>9} {skipped:>5} {loss:>10} {grad_norm:>10} {activation:>15}  {module}")
     if pm["advice"]:
         out += ["", _heading("What to change", color)]
         for i, item in enumerate(pm["advice"], 1):

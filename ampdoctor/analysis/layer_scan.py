@@ -1,0 +1,295 @@
+"""Per-layer statistics over a whole run, in one streaming pass (bounded memory at any length).
+
+One *layer* is one (name, kind): a parameter's gradient (``param_grad``), a module's output
+gradient (``grad_output``) or a module's output (``output``). The rates come from full rows
+(sampled steps); light rows (the peak and norm of the other steps, and the flight recorder's
+peaks) count for magnitudes, headroom and non-finite values; a layer seen only in light rows has
+no rates (NaN). Each row is judged in the format its values
+lived in during training: parameter gradients in the run's AMP format at the step's loss scale,
+module rows in their own dtype, gradients at the loss scale and activations unscaled; a wider
+output gradient whose values all sit on the AMP format's grid (an fp16 gradient cast up to float32
+on its way into a LayerNorm) in the AMP format.
+
+* ``underflow_rate``: estimated elements lost to underflow over elements observed (see
+  :mod:`ampdoctor.analysis.underflow` for the definition and the estimate);
+* ``zero_rate``, ``subnormal_rate``: recorded zeros and subnormals over elements observed;
+* ``headroom_log2``: the smallest headroom seen, ``log2(format max / (amax · S))`` over the
+  observations that were finite (negative: it overflowed the format);
+* ``amax``, ``amin``: the largest and smallest nonzero finite magnitudes over the run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..formats import FloatFormat, float_format
+from ..run import Run, empty_table, kind_mask
+from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds
+
+LAYER_KINDS = ("param_grad", "grad_output", "output")
+HEATMAP_BUCKETS = 200  # step columns of the heatmap at most
+LOW_QUANTILE = 0.10    # the heatmap's "low" magnitude: this quantile of the nonzero elements
+
+STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
+                "n_nan", "n_inf", "hist", "n_zero_lines"]
+_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "n_zero",
+            "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines"]
+# Rows of _Accumulator.sums.
+_NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED = range(8)
+
+
+@dataclass
+class LayerScan:
+    """What the streaming pass over a run's non-step rows found."""
+
+    layers: pd.DataFrame                       # one row per (name, kind), see the module docstring
+    param_lost: pd.DataFrame                   # per step: lost, undecided and all zeros over parameter gradients
+    module_peak: pd.Series                     # per step: largest finite output-gradient amax
+    activation_peak: pd.DataFrame              # per module: largest finite output amax (unscaled)
+    heatmap_steps: np.ndarray                  # first step of each heatmap column
+    heatmap: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name → (high, low)
+    step_rows: pa.Table | None = None          # the run's step rows (STEP_COLUMNS), met during the pass
+
+    @property
+    def empty(self) -> bool:
+        return self.layers.empty
+
+
+def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
+                batch_rows: int = 1 << 16) -> LayerScan:
+    """Aggregate every full module and parameter row of ``run``, batch by batch with numpy
+    reductions keyed by layer (memory: one batch plus O(layers x heatmap columns)). The step rows
+    met on the way are kept (``LayerScan.step_rows``), so the run is read once."""
+    first_step, last_step = run.step_range() or _step_range_from_data(run)
+    span = max(1, last_step - first_step + 1)
+    width = max(1, math.ceil(span / HEATMAP_BUCKETS))
+    columns = math.ceil(span / width)
+    acc = _Accumulator(span, columns)
+    step_rows = []
+    for batch in run.batches(_COLUMNS + [c for c in STEP_COLUMNS if c not in _COLUMNS], batch_rows=batch_rows):
+        is_step = kind_mask(batch.column("kind"), ["step"])
+        steps = batch.filter(is_step)
+        if steps.num_rows:
+            step_rows.append(steps.select(STEP_COLUMNS))
+        rows = batch.filter(kind_mask(batch.column("kind"), list(LAYER_KINDS)))
+        if rows.num_rows:
+            acc.add(rows.select(_COLUMNS), amp, min_exp, bins, first_step, width)
+    scan = acc.result(first_step, width)
+    scan.step_rows = pa.Table.from_batches(step_rows) if step_rows else empty_table(STEP_COLUMNS)
+    return scan
+
+
+def _dictionary(column: pa.Array) -> tuple[list[str], np.ndarray]:
+    """A string column as (its distinct values, each row's index into them)."""
+    if not isinstance(column, pa.DictionaryArray):
+        column = column.dictionary_encode()
+    return [str(v) for v in column.dictionary.to_pylist()], column.indices.to_numpy(zero_copy_only=False)
+
+
+class _Accumulator:
+    """Running per-layer sums, minima and maxima; layers get ids as they are first seen."""
+
+    def __init__(self, span: int, columns: int) -> None:
+        self.ids: dict[tuple[str, str], int] = {}
+        self.dtypes: list[str] = []
+        self.columns = columns
+        self.sums = np.zeros((8, 16))          # indexed by _NUMEL .. _JUDGED
+        self.amax = np.full(16, -np.inf)
+        self.amin = np.full(16, np.inf)
+        self.headroom = np.full(16, np.inf)
+        self.output_peak = np.full(16, -np.inf)  # output rows: the largest finite activation
+        self.high = np.full((16, columns), -np.inf)
+        self.low = np.full((16, columns), np.inf)
+        self.param_lost = np.zeros(span)
+        self.param_zero = np.zeros(span)
+        self.param_undecided = np.zeros(span)     # undecided zeros: the upper bound minus the estimate
+        self.param_seen = np.zeros(span, dtype=bool)
+        self.module_peak = np.full(span, -np.inf)
+
+    def _layer_ids(self, batch: pa.RecordBatch) -> np.ndarray:
+        """Global layer ids of the rows, from the small per-batch dictionaries (not the strings)."""
+        (names, name_idx), (kinds, kind_idx), (dtypes, dtype_idx) = (
+            _dictionary(batch.column(c)) for c in ("name", "kind", "dtype"))
+        pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
+        unique, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+        local = np.empty(len(unique), dtype=np.int64)
+        for i, code in enumerate(unique):
+            key = (names[code // len(kinds)], kinds[code % len(kinds)])
+            if key not in self.ids:
+                self.ids[key] = len(self.ids)
+                self.dtypes.append(dtypes[dtype_idx[first[i]]])
+            local[i] = self.ids[key]
+        self._grow(len(self.ids))
+        return local[inverse.ravel()]
+
+    def _grow(self, n: int) -> None:
+        size = self.amax.shape[0]
+        if n <= size:
+            return
+        pad = max(n, 2 * size) - size
+        self.sums = np.pad(self.sums, ((0, 0), (0, pad)))
+        self.amax = np.pad(self.amax, (0, pad), constant_values=-np.inf)
+        self.amin = np.pad(self.amin, (0, pad), constant_values=np.inf)
+        self.headroom = np.pad(self.headroom, (0, pad), constant_values=np.inf)
+        self.output_peak = np.pad(self.output_peak, (0, pad), constant_values=-np.inf)
+        self.high = np.pad(self.high, ((0, pad), (0, 0)), constant_values=-np.inf)
+        self.low = np.pad(self.low, ((0, pad), (0, 0)), constant_values=np.inf)
+
+    def add(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
+            width: int) -> None:
+        layer = self._layer_ids(batch)
+        kinds, kind_idx = _dictionary(batch.column("kind"))
+        kind = np.asarray(kinds, dtype=object)[kind_idx]
+        dtypes, dtype_idx = _dictionary(batch.column("dtype"))
+        formats = [_format_or_none(d) or amp for d in dtypes]
+        col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
+               ("step", "scale", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf",
+                "n_zero_lines")}
+        hist = hist_matrix(batch.column("hist"), bins)
+        param = kind == "param_grad"
+        output = kind == "output"
+        # Each row is judged in the format its values lived in (see the module docstring).
+        fmax = np.where(param, amp.max, np.array([f.max for f in formats])[dtype_idx])
+        below = np.where(param, amp.underflow_below, np.array([f.underflow_below for f in formats])[dtype_idx])
+        scale = np.where(output, 1.0, col["scale"].astype(np.float64))
+        scale = np.where(scale > 0, scale, np.nan)  # a collapsed scale of 0 judges nothing
+        amax = col["amax"].astype(np.float64)
+        # Light rows (counts null) carry the peak magnitude, non-finite when the tensor was: they
+        # count for magnitudes and non-finite values; the rates come from full rows only.
+        full = ~np.isnan(col["n_zero"].astype(np.float64))
+        nonfinite = ((col["n_nan"] + col["n_inf"]) > 0) | (~full & ~np.isfinite(amax))
+        usable = ~nonfinite & np.isfinite(amax)
+        subnormal = np.nan_to_num(col["n_subnormal"].astype(np.float64))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # A float32 output gradient whose nonzero values all sit on the AMP format's grid
+            # (none below its smallest subnormal) was computed in the AMP format and cast up (the
+            # input gradient of an fp16 Linear reaching a LayerNorm): its zeros underflowed there.
+            # Otherwise such a gradient mixes paths (a residual's float32 one too): judged in its own
+            # format, with every zero in the upper bound if it reaches the AMP subnormals in numbers.
+            cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
+            wider = (kind == "grad_output") & (below < amp.underflow_below)
+            amp_subnormal = cumulative_below(cumsum, np.log2(amp.smallest_normal / scale), min_exp)
+            amp_grid = wider & (cumulative_below(cumsum, np.log2(amp.smallest_subnormal / scale), min_exp) == 0)
+            below = np.where(amp_grid, amp.underflow_below, below)
+            subnormal = np.where(amp_grid, amp_subnormal, subnormal)
+            cut = np.log2(below / scale)
+            zeros = np.nan_to_num(col["n_zero"].astype(np.float64))
+            estimate, upper = underflow_bounds(hist, zeros, subnormal, cut, min_exp,
+                                               col["n_zero_lines"].astype(np.float64), pile_lines=param)
+            upper = np.where(wider & (amp_subnormal >= UPPER_SHARE * hist.sum(axis=1)) & (amp_subnormal > 0),
+                             np.maximum(upper, zeros), upper)
+            # Activations are not loss-scaled: no underflow estimate for output rows. A row whose
+            # estimate is unknown (every element 0) counts only towards the upper bound.
+            # A row that held a NaN or inf is not judged: its histogram lost the overflowed values.
+            judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
+            lost = np.where(judged, estimate, 0.0)
+            upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
+            headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
+            high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
+                            -np.inf)
+            # A gradient that overflowed is drawn one binade above the format's max.
+            high = np.where(nonfinite, np.log2(fmax) + 1.0, high)
+            low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
+        finite_amax = np.where(usable, amax, -np.inf)
+        n = len(self.ids)
+        for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
+                                    full, nonfinite, upper, np.where(judged, col["numel"], 0))):
+            values = np.nan_to_num(np.asarray(values, dtype=np.float64))
+            self.sums[i, :n] += np.bincount(layer, weights=values, minlength=n)
+        np.maximum.at(self.amax, layer, finite_amax)
+        amin = col["amin"].astype(np.float64)
+        np.minimum.at(self.amin, layer, np.where(np.isnan(amin), np.inf, amin))
+        np.minimum.at(self.headroom, layer, np.where(np.isnan(headroom), np.inf, headroom))
+        np.maximum.at(self.output_peak, layer[output], finite_amax[output])
+        offset = col["step"] - first_step
+        inside = (offset >= 0) & (offset < len(self.param_lost))
+        p = param & inside
+        pf = p & full & ~nonfinite
+        np.add.at(self.param_lost, offset[pf], lost[pf])
+        np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
+        np.add.at(self.param_undecided, offset[pf], np.maximum(upper[pf] - lost[pf], 0.0))
+        self.param_seen[offset[pf]] = True
+        # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
+        # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
+        in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
+        g = (kind == "grad_output") & inside & in_amp
+        np.maximum.at(self.module_peak, offset[g], finite_amax[g])
+        column = np.clip(offset // width, 0, self.columns - 1)
+        np.maximum.at(self.high, (layer[p], column[p]), np.where(np.isnan(high[p]), -np.inf, high[p]))
+        np.minimum.at(self.low, (layer[p], column[p]), np.where(np.isnan(low[p]), np.inf, low[p]))
+
+    def result(self, first_step: int, width: int) -> LayerScan:
+        n = len(self.ids)
+        keys = list(self.ids)
+        sums = self.sums[:, :n]
+        numel = np.where(sums[_OBSERVED] > 0, np.maximum(sums[_NUMEL], 1), np.nan)  # no full row: rates unknown
+        judged = np.where(sums[_JUDGED] > 0, sums[_JUDGED], np.nan)  # no row with a known estimate: unknown
+        is_output = np.array([k[1] == "output" for k in keys], dtype=bool)
+        layers = pd.DataFrame({
+            "name": pd.Series([k[0] for k in keys], dtype=object),
+            "kind": pd.Series([k[1] for k in keys], dtype=object),
+            "underflow_rate": sums[_LOST] / judged,
+            "underflow_rate_max": np.where(is_output, np.nan, sums[_UPPER] / numel),
+            "zero_rate": sums[_ZERO] / numel, "subnormal_rate": sums[_SUBNORMAL] / numel,
+            "headroom_log2": _inf_to_nan(self.headroom[:n]), "amax": _inf_to_nan(self.amax[:n]),
+            "amin": _inf_to_nan(self.amin[:n]), "observations": sums[_OBSERVED].astype(int),
+            "nonfinite": sums[_NONFINITE].astype(int)})
+        steps = first_step + np.arange(len(self.param_lost))
+        seen = self.param_seen
+        param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen],
+                                   "undecided": self.param_undecided[seen]}, index=steps[seen])
+        peak = self.module_peak > -np.inf
+        module_peak = pd.Series(self.module_peak[peak], index=steps[peak])
+        outputs = [i for i, k in enumerate(keys) if k[1] == "output"]
+        activation_peak = pd.DataFrame({"amax": _inf_to_nan(self.output_peak[outputs]),
+                                        "nonfinite": sums[_NONFINITE][outputs].astype(int),
+                                        "dtype": [self.dtypes[i] for i in outputs]},
+                                       index=[keys[i][0] for i in outputs])
+        heat = {name: (_inf_to_nan(self.high[i]), _inf_to_nan(self.low[i]))
+                for i, (name, kind) in enumerate(keys) if kind == "param_grad"}
+        return LayerScan(layers, param_lost, module_peak, activation_peak,
+                         first_step + width * np.arange(self.columns), heat)
+
+
+def _step_range_from_data(run: Run) -> tuple[int, int]:
+    """The step range read from the ``step`` column (footers without statistics)."""
+    steps = run.table(["step"]).column("step")
+    if not len(steps):
+        return 0, 0
+    lo_hi = pc.min_max(steps)
+    return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
+
+
+def _inf_to_nan(values: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(values), values, np.nan)
+
+
+def hist_matrix(column: pa.Array, bins: int) -> np.ndarray:
+    """The histograms as float32 [rows, bins] (exact below 2^24 per bin; half the memory traffic
+    of float64 on the report's hottest path)."""
+    if column.null_count == len(column):
+        return np.zeros((len(column), bins), dtype=np.float32)
+    if column.null_count:
+        column = column.fill_null(pa.scalar([0] * bins, column.type))
+    return np.asarray(column.flatten(), dtype=np.float32).reshape(-1, bins)
+
+
+def _format_or_none(dtype: str) -> FloatFormat | None:
+    try:
+        return float_format(dtype)
+    except ValueError:
+        return None
+
+
+def _quantile_log2(hist: np.ndarray, q: float, min_exp: int) -> np.ndarray:
+    """log2 of the lower edge of the binade holding the q-quantile of each row's nonzero elements."""
+    total = hist.sum(axis=1)
+    cum = np.cumsum(hist, axis=1)
+    index = (cum < (q * total)[:, None]).sum(axis=1)
+    return np.where(total > 0, min_exp + index, np.nan).astype(np.float64)

@@ -1,0 +1,104 @@
+"""The report's sections as the Markdown and HTML renderers both lay them out (their order and
+titles, which ``missing`` note each shows, what each says without data), and the rows and cells the
+renderers share: the scaler's settings, the recommendation's tables, the postmortem's timeline (the
+text renderer too). Pure functions; text comes back unescaped, for each renderer to escape."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .formatting import MISSING, number_or_word, scale_str, setting, underflow
+
+LAYER_ROWS = 50  # layers in a report's table (the worst first); `ampdoctor layers` lists them all
+SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+REPLAY_KEYS = ("hysteresis", "min_scale", "max_scale")  # the replay's settings beyond GradScaler's
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str  # the report's key for its data, and its key in the report's ``missing``
+    title: str
+    empty: str = ""  # what it says when it has no data and ``missing`` gives no reason
+
+    @property
+    def anchor(self) -> str:
+        """The HTML id of the section."""
+        return self.key.replace("_", "-")
+
+
+RUN = Section("run", "Run")
+SCALE = Section("scale", "Loss scale", "No loss-scale data.")
+LAYERS = Section("layers", "Layers", "No per-layer statistics.")
+ORIGINS = Section("overflow_origins", "Overflow origins", "No overflow was recorded.")
+RECOMMENDATION = Section("recommendation", "Recommendation", "No recommendation.")
+WARNINGS = Section("warnings", "Warnings", "None.")
+NOT_AVAILABLE = Section("not_available", "Not available")  # the ``missing`` notes no section shows
+
+# The sections that show their own ``missing`` note.
+NOTED = (SCALE, LAYERS, ORIGINS, RECOMMENDATION)
+
+
+def missing_note(missing: dict, section: Section) -> str | None:
+    """Why ``section`` has no (or partial) data, as the analysis said; None when it did not."""
+    return missing.get(section.key) or None
+
+
+def placeholder(section: Section, has_data: bool, missing: dict) -> str | None:
+    """What ``section`` says in place of its data: only when it has none and no ``missing`` note
+    says why."""
+    return None if has_data or missing.get(section.key) else section.empty
+
+
+def unplaced_notes(missing: dict) -> dict:
+    """The ``missing`` notes that no section shows (``postmortem``, ...), for :data:`NOT_AVAILABLE`."""
+    noted = {s.key for s in NOTED}
+    return {k: v for k, v in missing.items() if k not in noted}
+
+
+def layers_shown(layers: Sequence[dict]) -> tuple[Sequence[dict], str | None]:
+    """The first :data:`LAYER_ROWS` layers, and a sentence saying so when there are more."""
+    shown = layers[:LAYER_ROWS]
+    if len(layers) > len(shown):
+        return shown, f"The {len(shown)} worst of {len(layers)} layers by underflow rate."
+    return shown, None
+
+
+def scaler_call(scaler: dict) -> str:
+    """The run's scaler as the call that made it: ``GradScaler(init_scale=2**16, ...)``."""
+    args = ", ".join(f"{k}={setting(k, scaler.get(k))}" for k in SCALER_KEYS if k in scaler)
+    return f"{scaler.get('class', 'GradScaler')}({args})"
+
+
+def ended_cleanly(ended: bool | None) -> str:
+    return MISSING if ended is None else "yes" if ended else "no (killed, crashed or still running)"
+
+
+# --- the recommendation's tables -----------------------------------------------------------------
+
+SETTINGS_HEADERS = ("setting", "current", "recommended")
+OUTCOME_HEADERS = ("on this run", "current", "predicted")
+
+
+def settings_rows(current: dict, recommendation: dict) -> list[list[str]]:
+    """Each scaler setting: its name, the run's value and the recommended one."""
+    return [[k, setting(k, current.get(k)), setting(k, recommendation.get(k))] for k in SCALER_KEYS]
+
+
+def outcome_rows(recommendation: dict) -> list[list[str]]:
+    """Skipped steps and underflow rate on this run: with the current settings and as predicted."""
+    cur, pred = recommendation.get("current") or {}, recommendation.get("predicted") or {}
+    return [["skipped steps", str(cur.get("skipped_steps", MISSING)), str(pred.get("skipped_steps", MISSING))],
+            ["underflow rate", underflow(cur), underflow(pred)]]
+
+
+# --- the postmortem's timeline -------------------------------------------------------------------
+
+TIMELINE_HEADERS = ("step", "scale", "skipped", "loss", "grad norm", "max activation", "module")
+
+
+def timeline_cells(step: dict) -> list[str]:
+    """One step before the event as its cells, the last column (the module, which each renderer
+    marks as code its own way) left out."""
+    return [str(step["step"]), scale_str(step["scale"]), "yes" if step["skipped"] else "",
+            number_or_word(step["loss"]), number_or_word(step["grad_norm"]), number_or_word(step["max_activation"])]

@@ -1,0 +1,55 @@
+"""The footer metadata of a run's segments (docs/run-file.md, Footer metadata), keys from
+:mod:`ampdoctor.schema`. The writer adds its own (writer id, segment, final flag, rank)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import __version__
+from .options import RecordOptions
+from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
+                     META_INIT_SCALE, META_LEVEL, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS, META_SCALER_ENABLED,
+                     META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE, SCALER_META,
+                     SCHEMA_VERSION)
+
+
+class RunMetadata:
+    """What a recording says about itself in every segment. Fixed when recording starts, except
+    what the recorder learns later: the AMP dtype (at the first forward), the run id (a resumed
+    run continues another) and the steps dropped so far."""
+
+    def __init__(self, scaler: torch.amp.GradScaler, scaler_class: str, options: RecordOptions, *,
+                 device_type: str, world_size: int) -> None:
+        """Reads the current scale once (a sync) when ``scaler`` has already been used."""
+        fixed = {META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_VERSION: __version__,
+                 META_TORCH_VERSION: torch.__version__, META_SCALER_CLASS: scaler_class,
+                 META_SCALER_ENABLED: str(scaler.is_enabled()).lower(),
+                 META_INIT_SCALE: str(_current_scale(scaler)), META_DEVICE: device_type}
+        for name in ("growth_factor", "backoff_factor", "growth_interval"):  # a disabled torch scaler has none
+            if hasattr(scaler, f"_{name}"):
+                fixed[SCALER_META[name]] = str(getattr(scaler, f"_{name}"))
+        self._fixed = fixed
+        self._world_size = str(world_size)
+        self._options = options
+        self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    def __call__(self, *, amp_dtype: str, run_id: str, dropped_steps: int) -> dict[str, str]:
+        """The metadata of a segment written now (on the writer thread)."""
+        return {
+            **self._fixed, META_AMP_DTYPE: amp_dtype, META_WORLD_SIZE: self._world_size,
+            META_HIST_MIN_EXP: str(self._options.hist_min_exp), META_HIST_BINS: str(self._options.hist_bins),
+            META_RUN_ID: run_id, META_RUN_STARTED: self.started, META_LEVEL: self._options.level,
+            META_DROPPED_STEPS: str(dropped_steps),
+        }
+
+
+def _current_scale(scaler: torch.amp.GradScaler) -> float:
+    """The scale a recording starts from. Reads the device scale once (a sync) when wrapping a
+    scaler that has already been used; free for a new scaler."""
+    if not scaler.is_enabled():
+        return 1.0
+    if getattr(scaler, "_scale", None) is None:
+        return float(scaler._init_scale)
+    return float(scaler.get_scale())

@@ -1,0 +1,197 @@
+"""One segment file of a run, known from its footer alone: the Parquet magic bytes, the schema
+version, the column types, the metadata values and the step span are read and checked; the data
+pages are not read (docs/run-file.md, "Versioning and tolerance").
+
+A problem with the path given as the run itself is a :class:`RunError`; a damaged segment in a
+directory is a :class:`BadSegment` for the caller to skip, and another tool's Parquet file a
+:class:`ForeignParquet` for it to ignore."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import __version__
+from .errors import RunError
+from .formats import FORMATS
+from .schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_STEPS, META_GROWTH_FACTOR,
+                     META_GROWTH_INTERVAL, META_HIST_BINS, META_HIST_MIN_EXP, META_INIT_SCALE, META_LEVEL,
+                     META_SCHEMA_VERSION, META_WORLD_SIZE, SCHEMA_VERSION, run_schema)
+
+MAGIC = b"PAR1"  # the first and last four bytes of every Parquet file
+COLUMN_TYPES = {f.name: f.type for f in run_schema()}
+REQUIRED_COLUMNS = ("step", "rank", "kind", "name", "scale", "skipped")  # every segment has these
+
+
+@dataclass
+class Segment:
+    path: Path
+    rows: int
+    size: int
+    metadata: dict[str, str]
+    steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
+    until: int | None = None  # rows from this step on were superseded by a later process (read_run)
+
+
+class BadSegment(Exception):
+    """A damaged segment in a run directory: skipped, the rest of the run read."""
+
+
+class ForeignParquet(Exception):
+    """A Parquet file without ampdoctor's schema version: another tool's, not a segment."""
+
+
+def read_segment(path: Path, *, single: bool) -> tuple[Segment, list[str]]:
+    """The segment at ``path`` from its footer, and a message for each metadata value that was
+    ignored (not valid; the default applies). ``single``: ``path`` is the whole run, so a damaged
+    file is a :class:`RunError` rather than a :class:`BadSegment`."""
+    rows, meta, span, bins = _read_footer(path, single=single)
+    meta, ignored = _checked_metadata(meta, bins)
+    return Segment(path, rows, path.stat().st_size, meta, span), ignored
+
+
+def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str], tuple[int, int] | None, int | None]:
+    """A segment's row count, metadata, step span and histogram bins (the ``hist`` column's list
+    size), from its footer; the data pages are not read."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+            fh.seek(max(0, path.stat().st_size - 4))
+            tail = fh.read(4)
+    except OSError as exc:
+        raise RunError(f"{path}: cannot read ({exc.strerror})") from None
+    if head != MAGIC:
+        if single:
+            raise RunError(f"{path}: not a Parquet file")
+        raise BadSegment("not Parquet")
+    if tail != MAGIC:
+        if single:
+            raise RunError(f"{path}: truncated Parquet file (no footer)")
+        raise BadSegment("truncated: no Parquet footer")
+    try:
+        footer = pq.read_metadata(path)
+        schema = footer.schema.to_arrow_schema()
+    except (pa.ArrowException, OSError) as exc:
+        if single:
+            raise RunError(f"{path}: unreadable Parquet file ({exc})") from None
+        raise BadSegment(str(exc)) from None
+    meta = schema.metadata or {}
+    if META_SCHEMA_VERSION.encode() in meta:
+        wrong = _schema_problem(schema)
+        if wrong:
+            if single:
+                raise RunError(f"{path}: not a readable ampdoctor run ({wrong})")
+            raise BadSegment(wrong)
+    version = meta.get(META_SCHEMA_VERSION.encode())
+    if version is None:
+        raise ForeignParquet()
+    try:
+        version_number = int(version)
+    except ValueError:
+        raise RunError(f"{path}: unrecognised schema version {version.decode()!r}") from None
+    if version_number > SCHEMA_VERSION:
+        raise RunError(f"{path}: written with run schema version {version_number}, but ampdoctor "
+                       f"{__version__} reads up to version {SCHEMA_VERSION}; upgrade ampdoctor")
+    text = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in meta.items()}
+    hist = schema.field("hist").type if "hist" in schema.names else None
+    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else None
+    return footer.num_rows, text, _step_span(footer, schema), bins
+
+
+def _schema_problem(schema: pa.Schema) -> str | None:
+    """What makes a segment's columns unusable: a required column missing, or a column whose type
+    the run schema does not allow (a column of a later schema version may be missing)."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+    if missing:
+        return f"no {', '.join(missing)} column"
+    for field in schema:
+        expected = COLUMN_TYPES.get(field.name)
+        if expected is None:
+            continue
+        ok = _same_kind(field.type, expected)
+        if field.name == "hist":
+            ok = pa.types.is_fixed_size_list(field.type) and field.type.value_type == pa.int32()
+        if not ok:
+            return f"column {field.name} is {field.type}, not {expected}"
+    return None
+
+
+def _same_kind(got: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether a column of type ``got`` reads as ``expected``: the same type, or its string, large
+    or dictionary variant (another tool's rewrite), which the reader converts as it reads
+    (``run._as_type``)."""
+    def plain(t: pa.DataType) -> pa.DataType:
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        if pa.types.is_large_string(t):
+            return pa.string()
+        if pa.types.is_large_list(t):
+            return pa.list_(plain(t.value_type))
+        return t
+    return plain(got) == plain(expected)
+
+
+# Metadata values the readers parse: a value that is not valid is ignored (the default applies), with a warning.
+def _positive(v: float) -> bool:
+    return math.isfinite(v) and 0 < v <= 3.4e38
+
+
+_METADATA_CHECKS: dict[str, tuple[type, Callable[[float], bool], str]] = {
+    META_INIT_SCALE: (float, _positive, "a positive float32"),
+    META_GROWTH_FACTOR: (float, lambda v: math.isfinite(v) and v > 1, "a number above 1"),
+    META_BACKOFF_FACTOR: (float, lambda v: 0 < v < 1, "a number between 0 and 1"),
+    META_GROWTH_INTERVAL: (int, lambda v: v >= 1, "an integer of at least 1"),
+    META_WORLD_SIZE: (int, lambda v: v >= 1, "an integer of at least 1"),
+    META_HIST_BINS: (int, lambda v: 2 <= v <= 4096, "an integer from 2 to 4096"),
+    META_HIST_MIN_EXP: (int, lambda v: -1100 <= v <= 1100, "an exponent from -1100 to 1100"),
+    META_DROPPED_STEPS: (int, lambda v: v >= 0, "a count"),
+}
+_METADATA_CHOICES = {META_AMP_DTYPE: tuple(FORMATS), META_LEVEL: LEVELS}
+
+
+def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tuple[dict[str, str], list[str]]:
+    """``meta`` without the values the readers could not use, and a message for each; ``hist.bins``
+    is the ``hist`` column's own size (``hist_bins``) when the segment has one."""
+    out, ignored = {k: v for k, v in meta.items() if v != ""}, []  # empty: not set (older writers)
+    for key, (kind, valid, what) in _METADATA_CHECKS.items():
+        if key not in out:
+            continue
+        try:
+            value = kind(float(meta[key])) if kind is int else float(meta[key])
+            good = valid(value) and (kind is not int or float(meta[key]).is_integer())
+        except (ValueError, OverflowError):
+            good = False
+        if not good:
+            ignored.append(f"ignored metadata {key}={meta[key]!r} (not {what})")
+            del out[key]
+    for key, allowed in _METADATA_CHOICES.items():
+        if key in out and meta[key] not in allowed:
+            ignored.append(f"ignored metadata {key}={meta[key]!r} (not one of {', '.join(allowed)})")
+            del out[key]
+    if hist_bins is not None and out.get(META_HIST_BINS, str(hist_bins)) != str(hist_bins):
+        ignored.append(f"ignored metadata {META_HIST_BINS}={meta[META_HIST_BINS]!r} "
+                       f"(the hist column has {hist_bins} bins)")
+    if hist_bins is not None:
+        out[META_HIST_BINS] = str(hist_bins)
+    return out, ignored
+
+
+def _step_span(footer: pq.FileMetaData, schema: pa.Schema) -> tuple[int, int] | None:
+    """The first and last step of a segment from its row groups' statistics (None if unknown)."""
+    index = schema.get_field_index("step")
+    lo = hi = None
+    for g in range(footer.num_row_groups):
+        group = footer.row_group(g)
+        if index < 0 or group.num_rows == 0:
+            continue
+        stats = group.column(index).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        lo = stats.min if lo is None else min(lo, stats.min)
+        hi = stats.max if hi is None else max(hi, stats.max)
+    return None if lo is None else (int(lo), int(hi))

@@ -1,0 +1,26 @@
+"""On-device statistics of a list of tensors, with no host-device sync (docs/numerics.md,
+Statistics).
+
+Two kinds:
+
+* *light* statistics (:mod:`.light`, every step): per tensor its peak magnitude and its L2 norm,
+  unscaled; and peaks alone, for the parameter check and the light module taps;
+* *full* statistics (:mod:`.full`, on sampled and escalated steps): counts of zeros, subnormals,
+  NaNs and infs, a binade histogram, the smallest and largest magnitudes, the norm and the zeros
+  in zero lines, per tensor or for all of them together.
+
+Each is computed by one of two algorithms (:mod:`.algorithms`), chosen by :func:`algorithm_for`
+the device or explicitly (``algorithm=``), so the accelerator one also runs on CPU tensors in the
+tests: *host* for CPU tensors, *accelerator* (a fixed number of launches, no float atomics) for
+every other device. On the writer thread, host copies of either kind become numpy arrays per
+slot (:class:`HostStats`, :mod:`.host_stats`).
+"""
+
+from .algorithms import ALGORITHMS, algorithm_for
+from .full import CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS, FullStats, SlotLayouts, full_stats, zero_line_elements
+from .host_stats import HostStats
+from .light import LightStats, extremes, light_stats, peaks_from_extremes, tensor_peaks
+
+__all__ = ["ALGORITHMS", "algorithm_for", "CHUNK_ELEMENTS", "CPU_CHUNK_ELEMENTS", "FullStats", "SlotLayouts",
+           "full_stats", "zero_line_elements", "HostStats", "LightStats", "extremes", "light_stats",
+           "peaks_from_extremes", "tensor_peaks"]

@@ -1,0 +1,402 @@
+"""Full statistics (:func:`full_stats`, on sampled and escalated steps), for each *slot* (one
+tensor, or all tensors together when ``per_tensor=False``):
+
+* ``amax``  largest finite magnitude, unscaled (0 when there is none);
+* ``amin``  smallest nonzero finite magnitude, unscaled (NaN when there is none);
+* ``l2``    L2 norm of the finite elements, unscaled (float64 sum of float32 partial sums);
+* ``n_zero, n_subnormal`` judged on the *scaled* value, as backward produced it (subnormal: below
+  the smallest normal of the AMP format); ``n_nan, n_inf`` judged on the unscaled value (a finite
+  value that a scale below 1 overflows on unscaling reaches the optimizer as inf);
+* ``hist``  counts of nonzero finite elements per binade of the unscaled magnitude; magnitudes
+  below ``2**hist_min_exp`` (even those that flush to 0 when unscaled in fp32) go to bin 0;
+* ``n_zero_lines`` zeros lying in an all-zero row or column (:func:`zero_line_elements`).
+
+Each element's unscaled float32 bit pattern gives, shifted right by 22, one integer *code*: its
+exponent field and the top mantissa bit (which tells a quiet NaN from inf), so one count per slot
+and code yields the histogram and the NaN and inf counts; :meth:`FullStats.decode` maps the
+binades onto histogram bins on the host. The smallest nonzero and the largest finite magnitude
+are exact.
+
+Two algorithms compute the same numbers over chunks of the tensors: *host* reduces the slices of
+each chunk one by one; *accelerator* runs a fixed number of launches per chunk whatever the number
+of tensors in it, with no float atomics (results are the same run to run;
+``use_deterministic_algorithms`` is respected). Nothing here calls ``.item()``, boolean indexing
+or any other op whose output size depends on data, so on an accelerator it queues kernels and
+returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from ..schema import HIST_BINS, HIST_MIN_EXP
+from .algorithms import choose_algorithm, rescaled_norm
+from .host_stats import HostStats, to_float32
+
+CHUNK_ELEMENTS = 1 << 22  # bounds the accelerator algorithm's temporaries: ~16 bytes per element
+# On the CPU, chunks whose temporaries stay in cache: fresh multi-MB temporaries cost a page fault
+# per 4 KiB, which made the pass 2-4x slower than its arithmetic.
+CPU_CHUNK_ELEMENTS = 1 << 18
+
+_ABS_MASK = 0x7FFFFFFF
+_CODES = 512              # float32 bits >> 22: exponent field (256) x top mantissa bit (2)
+# Per slot after the codes: elements at or above the smallest normal (unused), nonzero ones below
+# it (subnormal), zeros; so that base + _ABOVE + below + zero lands in the right one.
+_ABOVE, _BELOW, _ZERO = _CODES, _CODES + 1, _CODES + 2
+SLOT_STRIDE = _CODES + 3  # entries of FullStats.counts per slot
+_NO_AMIN = 0x7F7FFFFF     # amin is kept as (bits - 1) & _ABS_MASK: zero and non-finite land at or above this
+
+Chunks = Iterator[tuple[list[torch.Tensor], list[tuple[int, int, int]]]]  # (views, (slot, start, length) segments)
+
+
+@dataclass
+class FullStats:
+    """Raw per-slot results of :func:`full_stats`, still on the device (or the host buffers
+    they were copied into)."""
+
+    counts: torch.Tensor     # int64 [slots * SLOT_STRIDE]: codes, n_zero, n_below_normal
+    amax: torch.Tensor       # float32 [slots]: the largest finite magnitude
+    amin_code: torch.Tensor  # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
+    sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values (host: float32
+                             # partial sums rescaled by a power of two; accelerator: float64 sums)
+    line_zeros: torch.Tensor  # int64 [slots]: zeros lying in an all-zero row or column (zero_line_elements)
+    hist_min_exp: int
+    bins: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+    def to_host(self, copy) -> "FullStats":
+        """The same statistics, each tensor passed through ``copy`` (a
+        :meth:`ampdoctor.transfer.HostCopies.to_host`)."""
+        return FullStats(copy(self.counts), copy(self.amax), copy(self.amin_code), copy(self.sumsq),
+                         copy(self.line_zeros), self.hist_min_exp, self.bins)
+
+    def decode(self) -> HostStats:
+        """The statistics of each slot as :class:`HostStats`. Host tensors only (the writer
+        thread, once their fence has passed)."""
+        counts = self.counts.numpy().reshape(-1, SLOT_STRIDE)
+        codes = counts[:, :_CODES].reshape(-1, 256, 2)            # [slot, exponent field, mantissa bit]
+        n_zero = counts[:, _ZERO].copy()
+        finite = codes[:, :255].sum(axis=2)                        # per exponent field
+        finite[:, 0] -= n_zero                                     # zeros are exponent 0, not a binade
+        amin_code = self.amin_code.numpy()
+        amin = np.where(amin_code >= _NO_AMIN, np.int32(0x7FC00000), amin_code + 1).astype(np.int32)
+        return HostStats(
+            amax=self.amax.numpy().copy(),
+            amin=amin.view(np.float32),
+            l2=to_float32(np.sqrt(self.sumsq.numpy())),
+            n_zero=n_zero,
+            n_subnormal=counts[:, _BELOW].copy(),
+            n_nan=codes[:, 255, 1].copy(),
+            n_inf=codes[:, 255, 0].copy(),
+            hist=(finite @ _binade_to_bin(self.hist_min_exp, self.bins)).astype(np.int32),
+            n_zero_lines=self.line_zeros.numpy().astype(np.float64),
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _binade_to_bin(min_exp: int, bins: int) -> np.ndarray:
+    """int64 [255, bins]: exponent field e (binade e - 127; e = 0 holds the float32 subnormals)
+    onto its histogram bin, clamped at both ends."""
+    index = np.clip(np.arange(255) - 127 - min_exp, 0, bins - 1)
+    index[0] = 0
+    out = np.zeros((255, bins), dtype=np.int64)
+    out[np.arange(255), index] = 1
+    return out
+
+
+class SlotLayouts:
+    """Caches, per chunk layout, the small index tensors of the accelerator algorithm on the
+    device: where each segment starts, and the step in ``slot * SLOT_STRIDE`` there.
+
+    Built from Python lists they are a host-to-device copy; the layouts of a model's gradients
+    rarely change, so each is built once. Least recently used layouts go first when the cache is
+    full, and a miss copies from pinned memory without blocking (no sync): a model with more chunk
+    layouts than the cache holds (GPT-2-XL has 193) costs an asynchronous copy per miss, no stall."""
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self._cache: collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self._max_entries = max_entries
+        self.misses = 0
+
+    def get(self, device: torch.device, segments: tuple[tuple[int, int, int], ...], dtype=torch.int32):
+        """``(starts, steps)`` of the chunk's ``(slot, start, length)`` segments: int64 and ``dtype``."""
+        key = (device, segments, dtype)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        self.misses += 1
+        if len(self._cache) >= self._max_entries:
+            self._cache.popitem(last=False)
+        slots = [slot for slot, _, _ in segments]
+        host = torch.tensor([[start for _, start, _ in segments],
+                             [(b - a) * SLOT_STRIDE for a, b in zip([0] + slots, slots)]], dtype=torch.int64)
+        if device.type != "cpu" and torch.accelerator.is_available():
+            host = host.pin_memory()  # pageable memory would make the copy synchronous
+        starts, steps = host.to(device, non_blocking=True).unbind(0)
+        hit = self._cache[key] = (starts, steps.to(dtype))
+        return hit
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+_DEFAULT_LAYOUTS = SlotLayouts()
+
+
+def full_stats(
+    tensors: Sequence[torch.Tensor],
+    *,
+    inv_scale: torch.Tensor | None,
+    subnormal_below: float,
+    per_tensor: bool = True,
+    hist_min_exp: int = HIST_MIN_EXP,
+    hist_bins: int = HIST_BINS,
+    layouts: SlotLayouts | None = None,
+    lines: str = "rows",
+    algorithm: str | None = None,
+) -> FullStats:
+    """Full statistics of ``tensors`` (one device, one dtype; they hold *scaled* values).
+
+    ``inv_scale`` is the 0-dim float32 reciprocal of the loss scale on the same device (None when
+    scaling is off); ``subnormal_below`` is the AMP format's smallest normal; ``lines`` how the
+    zero lines are counted (:func:`zero_line_elements`); ``algorithm`` ``"host"`` or
+    ``"accelerator"`` (default: :func:`~ampdoctor.stats.algorithm_for` the device). Does not sync.
+    """
+    if not tensors:
+        raise ValueError("full_stats needs at least one tensor")
+    algorithm = choose_algorithm(algorithm, tensors)
+    job = _Job.of(tensors, per_tensor, inv_scale, subnormal_below)
+    line_zeros = _line_zeros(tensors, per_tensor, lines)
+    with torch.no_grad():
+        if algorithm == "host":
+            totals = _host_algorithm(job, _chunks(tensors, per_tensor, CPU_CHUNK_ELEMENTS))
+        else:
+            totals = _accelerator_algorithm(job, _chunks(tensors, per_tensor, CHUNK_ELEMENTS),
+                                            _DEFAULT_LAYOUTS if layouts is None else layouts)
+    return FullStats(totals.counts, totals.amax, totals.amin_code, totals.sumsq, line_zeros, hist_min_exp, hist_bins)
+
+
+@dataclass
+class _Job:
+    """One call of :func:`full_stats`: its slots, their device, and how each element is judged."""
+
+    n_slots: int
+    device: torch.device
+    inv_scale: torch.Tensor | None  # unscales (None: not scaled)
+    threshold: float                # a scaled magnitude below it is subnormal (zeros included)
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], per_tensor: bool, inv_scale: torch.Tensor | None,
+           subnormal_below: float) -> "_Job":
+        if inv_scale is not None:
+            # A scale of 0 (collapsed) would make 0 * inf = NaN of every zero.
+            inv_scale = inv_scale.clamp(max=torch.finfo(torch.float32).max)
+        return cls(len(tensors) if per_tensor else 1, tensors[0].device, inv_scale,
+                   _threshold(subnormal_below, tensors[0].dtype))
+
+    def zero_counts(self) -> torch.Tensor:
+        """int64 ``[n_slots * SLOT_STRIDE]``: the counts either algorithm adds to."""
+        return torch.zeros(self.n_slots * SLOT_STRIDE, dtype=torch.int64, device=self.device)
+
+
+@dataclass
+class _Totals:
+    """Per-slot results of either algorithm, on the tensors' device."""
+
+    counts: torch.Tensor     # see FullStats
+    amax: torch.Tensor
+    amin_code: torch.Tensor
+    sumsq: torch.Tensor
+
+
+def zero_line_elements(tensor: torch.Tensor, lines: str = "rows") -> torch.Tensor:
+    """0-dim int64: the elements of ``tensor`` that lie in an all-zero row or column of its 2-D
+    view (0 for a tensor of fewer than 2 dimensions). ``lines="rows"``: the view is
+    ``[shape[0], -1]`` (a weight's output units against its inputs, an embedding's rows);
+    ``"features"``: ``[-1, shape[-1]]`` (a module output's positions against its features).
+
+    Why: zeros that fill a whole line come from structure that does not depend on the loss scale
+    (an unused embedding row, a dead ReLU unit, a masked or ignored position), while an element
+    that underflows in its own rounding is a scattered zero; reports tell the two apart with this
+    count (:mod:`ampdoctor.analysis.underflow`). A handful of reductions; does not sync."""
+    if tensor.dim() < 2 or tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=tensor.device)
+    view = tensor.reshape(tensor.shape[0], -1) if lines == "rows" else tensor.reshape(-1, tensor.shape[-1])
+    zero = view == 0
+    rows = zero.all(dim=1).sum()
+    cols = zero.all(dim=0).sum()
+    return rows * view.shape[1] + cols * view.shape[0] - rows * cols
+
+
+def _line_zeros(tensors: Sequence[torch.Tensor], per_tensor: bool, lines: str) -> torch.Tensor:
+    """int64 [slots]: :func:`zero_line_elements` per tensor, or summed into one slot."""
+    with torch.no_grad():
+        none = torch.zeros((), dtype=torch.int64, device=tensors[0].device)  # shared: a launch, not one per tensor
+        stacked = torch.stack([zero_line_elements(t, lines) if t.dim() >= 2 and t.numel() else none for t in tensors])
+    return stacked if per_tensor else stacked.sum(dim=0, keepdim=True)
+
+
+def _chunks(tensors: Sequence[torch.Tensor], per_tensor: bool, limit: int) -> Chunks:
+    """Yield ``(views, segments)``: 1-D views adding up to at most ``limit`` elements, and
+    the ``(slot, start, length)`` runs they form once concatenated (adjacent views of one slot
+    make one run). A tensor larger than a chunk is split into views of the same slot."""
+    views: list[torch.Tensor] = []
+    segments: list[tuple[int, int, int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        flat = t.detach().reshape(-1)
+        slot = i if per_tensor else 0
+        for start in range(0, flat.numel(), limit):
+            piece = flat.narrow(0, start, min(limit, flat.numel() - start))
+            if size + piece.numel() > limit and views:
+                yield views, segments
+                views, segments, size = [], [], 0
+            views.append(piece)
+            if segments and segments[-1][0] == slot:
+                segments[-1] = (slot, segments[-1][1], segments[-1][2] + piece.numel())
+            else:
+                segments.append((slot, size, piece.numel()))
+            size += piece.numel()
+    if views:
+        yield views, segments
+
+
+# -- the host algorithm --------------------------------------------------------------------------
+def _host_algorithm(job: _Job, chunks: Chunks) -> _Totals:
+    """Reductions over the slices of each chunk (no launch overhead to amortise on the CPU),
+    accumulated into the per-slot totals."""
+    totals = _Totals(job.zero_counts(), torch.zeros(job.n_slots, dtype=torch.float32, device=job.device),
+                     torch.full((job.n_slots,), _ABS_MASK, dtype=torch.int32, device=job.device),
+                     torch.zeros(job.n_slots, dtype=torch.float64, device=job.device))
+    for views, segments in chunks:
+        flat = views[0] if len(views) == 1 else torch.cat(views)
+        _host_chunk(job, totals, flat, segments)
+    return totals
+
+
+def _host_chunk(job: _Job, totals: _Totals, flat: torch.Tensor, segments: list[tuple[int, int, int]]) -> None:
+    scaled_abs = flat.abs()
+    # float32 from here on: exact for fp16/bf16 values, and compares on float32 are twice as fast.
+    scaled32 = scaled_abs.float() if scaled_abs.dtype != torch.float32 else scaled_abs
+    unscaled = scaled32 * job.inv_scale if job.inv_scale is not None else scaled32  # torch's unscale_ product
+    bits = unscaled.view(torch.int32) & _ABS_MASK  # abs() may keep the sign of -NaN
+    code = bits >> 22
+    finite_values = torch.nan_to_num(bits.view(torch.float32), nan=0.0, posinf=0.0)
+    # (bits - 1) & mask: zero wraps to the top, non-finite stays above every finite nonzero.
+    nonzero_code = (bits - 1) & _ABS_MASK
+    below = scaled32 < job.threshold
+    counts, amax, amin_code = totals.counts, totals.amax, totals.amin_code
+    for slot, start, length in segments:
+        part = slice(start, start + length)
+        base = slot * SLOT_STRIDE
+        zeros = length - torch.count_nonzero(scaled_abs[part])
+        counts[base:base + _CODES] += torch.bincount(code[part], minlength=_CODES)
+        counts[base + _ZERO] += zeros
+        counts[base + _BELOW] += torch.count_nonzero(below[part]) - zeros
+        values = finite_values[part]
+        top = values.max()
+        amax[slot] = torch.maximum(amax[slot], top)
+        amin_code[slot] = torch.minimum(amin_code[slot], nonzero_code[part].min())
+        totals.sumsq[slot] += rescaled_norm(values, top).square()
+
+
+# -- the accelerator algorithm -------------------------------------------------------------------
+class _SegmentResult(NamedTuple):
+    """The reductions of one segment of a chunk, 0-dim on the device."""
+
+    slot: int
+    amax: torch.Tensor
+    flipped_amin: torch.Tensor  # _ABS_MASK - amin_code: the smallest nonzero as a maximum
+    norm: torch.Tensor          # float64
+
+
+def _accelerator_algorithm(job: _Job, chunks: Chunks, layouts: SlotLayouts) -> _Totals:
+    """A fixed number of launches per chunk whatever its number of tensors. Counts go through
+    ``index_add_`` on integers (exact in any order; deterministic under
+    ``torch.use_deterministic_algorithms``); maxima, minima and sums of squares through grouped
+    reductions over the chunk's segments, combined per slot afterwards: no float atomics and no
+    ``scatter_reduce``, so results are the same run to run. Temporaries peak at about 16 bytes per
+    element of a chunk (``CHUNK_ELEMENTS``; the test measures it)."""
+    device, counts = job.device, job.zero_counts()
+    # int32 keys (half the memory) unless slot * SLOT_STRIDE could pass 2**31 (over 4 million tensors)
+    index_dtype = torch.int32 if job.n_slots * SLOT_STRIDE < 2**31 else torch.int64
+    results: list[_SegmentResult] = []
+    for views, segments in chunks:
+        # One float32 work buffer, changed in place: |scaled|, then |unscaled|, then its finite part.
+        if len(views) == 1:
+            work = views[0].abs() if views[0].dtype == torch.float32 else views[0].float().abs_()
+        else:
+            flat = torch.cat(views)
+            work = flat.abs_() if flat.dtype == torch.float32 else flat.float().abs_()
+            del flat
+        zero, below = work == 0, work < job.threshold
+        if job.inv_scale is not None:
+            work.mul_(job.inv_scale)  # torch's unscale_ product
+        # Each element's slot * SLOT_STRIDE: a step function over the chunk, from its segments.
+        if len(segments) == 1:
+            base: torch.Tensor | int = segments[0][0] * SLOT_STRIDE
+        else:
+            starts, steps = layouts.get(device, tuple(segments), index_dtype)
+            base = torch.zeros(work.numel(), dtype=index_dtype, device=device).scatter_(0, starts, steps).cumsum_(0)
+        key = (work.view(torch.int32) & _ABS_MASK).bitwise_right_shift_(22).to(index_dtype)  # abs() may keep -NaN's sign
+        ones = torch.ones((), dtype=torch.int64, device=device).expand(work.numel())
+        counts.index_add_(0, key.add_(base), ones)
+        if isinstance(base, int):
+            key.fill_(base + _ABOVE)
+        else:
+            torch.add(base, _ABOVE, out=key)
+        counts.index_add_(0, key.add_(below).add_(zero), ones)
+        del key, base, zero, below
+        torch.nan_to_num_(work, nan=0.0, posinf=0.0)
+        lengths = [n for _, _, n in segments]
+        parts = torch.split(work, lengths)
+        maxima = torch._foreach_max(parts)
+        norms = torch._foreach_norm(parts, 2, dtype=torch.float64)
+        # The smallest nonzero as a maximum of non-negative integers (CUDA's _foreach_max before
+        # torch 2.11 padded its partial maxima with 0, wrong for negative values): on the bits,
+        # _ABS_MASK - ((bits - 1) & _ABS_MASK) is largest for the smallest nonzero, 0 for zeros.
+        bits = work.view(torch.int32)
+        bits.sub_(1).bitwise_and_(_ABS_MASK).neg_().add_(_ABS_MASK)
+        minima = torch._foreach_max(torch.split(bits, lengths))
+        results.extend(_SegmentResult(slot, top, low, norm)
+                       for (slot, _, _), top, low, norm in zip(segments, maxima, minima, norms))
+    return _per_slot(job, counts, results)
+
+
+def _per_slot(job: _Job, counts: torch.Tensor, results: list[_SegmentResult]) -> _Totals:
+    """The totals per slot from the segments' results, combining the segments of a tensor split
+    over chunks; a slot with no segment (an empty tensor) has no nonzero element."""
+    by_slot: list[list[_SegmentResult]] = [[] for _ in range(job.n_slots)]
+    for result in results:
+        by_slot[result.slot].append(result)
+
+    def combine(field: str, empty: torch.Tensor, reduce) -> torch.Tensor:
+        out = []
+        for members in by_slot:
+            values = [getattr(r, field) for r in members]
+            out.append(empty if not values else values[0] if len(values) == 1 else reduce(torch.stack(values)))
+        return torch.stack(out)
+
+    device = job.device
+    amax = combine("amax", torch.zeros((), dtype=torch.float32, device=device), torch.amax)
+    amin_code = _ABS_MASK - combine("flipped_amin", torch.zeros((), dtype=torch.int32, device=device), torch.amax)
+    norms = combine("norm", torch.zeros((), dtype=torch.float64, device=device), lambda n: n.square().sum().sqrt())
+    return _Totals(counts, amax, amin_code, norms.square())
+
+
+def _threshold(value: float, dtype: torch.dtype) -> float:
+    """``value`` for a comparison with a ``dtype`` tensor (which casts it to ``dtype``): at least
+    the smallest subnormal, so that a threshold below the format's range cannot round to 0 and
+    stop zeros from counting as below it."""
+    info = torch.finfo(dtype)
+    return max(value, info.tiny * info.eps)

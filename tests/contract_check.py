@@ -1,0 +1,45 @@
+"""Type checks of the JSON contracts (docs/json-contracts.md), shared by the command tests."""
+
+from __future__ import annotations
+
+# A point value where the record decides one (None where not), and the range it lies in.
+UNDERFLOW_FIELDS = {"underflow_rate": (float, type(None)), "underflow_rate_min": float, "underflow_rate_max": float}
+REPORT_CONTRACT = {
+    "run": {"path": str, "steps": int, "ranks": int, "amp_dtype": str,
+            "scaler": {"class": str, "init_scale": float, "growth_factor": float, "backoff_factor": float,
+                       "growth_interval": int}},
+    "scale": {"initial": float, "final": float, "min": float, "max": float, "skipped_steps": int,
+              "skipped_fraction": float, "settle_step": (int, type(None))},
+    "layers": [{"name": str, "kind": str, "underflow_rate": (float, type(None)), "zero_rate": (float, type(None)),
+                "subnormal_rate": (float, type(None)),
+                "headroom_log2": (float, type(None)), "amax": (float, type(None)), "amin": (float, type(None))}],
+    "overflow_origins": [{"name": str, "kind": str, "rank": int, "count": int, "first_step": int,
+                          "last_step": int}],
+    "recommendation": {"init_scale": float, "growth_factor": float, "backoff_factor": float,
+                       "growth_interval": int, "reasons": [str], "advice": [str],
+                       "current": {"skipped_steps": int, **UNDERFLOW_FIELDS},
+                       "predicted": {"skipped_steps": int, **UNDERFLOW_FIELDS}},
+    "warnings": [str],
+}
+SIMULATE_CONTRACT = {"config": {"init_scale": float, "growth_factor": float, "backoff_factor": float,
+                                "growth_interval": int},
+                     "skipped_steps": int, "skipped_fraction": float, **UNDERFLOW_FIELDS,
+                     "scale": {"final": float, "min": float, "max": float}}
+
+
+def check_contract(value, spec, where="$"):
+    """``value`` has every key of ``spec`` with the right type (ints count as floats)."""
+    if isinstance(spec, dict):
+        assert isinstance(value, dict), where
+        for key, sub in spec.items():
+            assert key in value, f"{where}.{key} missing"
+            check_contract(value[key], sub, f"{where}.{key}")
+    elif isinstance(spec, list):
+        assert isinstance(value, list), where
+        for i, item in enumerate(value):
+            check_contract(item, spec[0], f"{where}[{i}]")
+    else:
+        types = spec if isinstance(spec, tuple) else (spec,)
+        if float in types:
+            types = types + (int,)
+        assert isinstance(value, types) and not isinstance(value, bool), f"{where}: {value!r}"

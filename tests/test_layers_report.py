@@ -1,0 +1,70 @@
+"""The per-layer table: the report's ``layers`` and `ampdoctor layers` (sorting, `--top`), each
+layer judged in the format its values lived in."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+from ampdoctor.analysis.layers import layers_data
+from ampdoctor.analysis.report import report_data
+from ampdoctor.cli import main
+from ampdoctor.render import contract
+from models import train_recorded
+from report_scenarios import scenarios  # noqa: F401 - the fixture
+
+
+def test_underflow_scenario_names_the_underflowing_layers_first(scenarios):
+    layers = scenarios["underflow"][2]["layers"]
+    top = [layer["name"] for layer in layers[:2]]
+    assert set(top) == {"side.weight", "side.bias"}, top
+    # Their gradients are 0 everywhere: no magnitude says how far below the cut-off they were, so
+    # the estimate is unknown and only the upper bound (every element) is given.
+    assert layers[0]["underflow_rate"] is None and layers[0]["underflow_rate_max"] == 1.0
+    assert all(layer["underflow_rate"] <= layer["zero_rate"] + 1e-12 for layer in layers
+               if layer["underflow_rate"] is not None)
+
+
+def test_layers_command_sorts_and_limits(scenarios):
+    path = scenarios["underflow"][0]
+    by_headroom = layers_data(path, "headroom")["layers"]
+    headroom = [layer["headroom_log2"] for layer in by_headroom if layer["headroom_log2"] is not None]
+    assert headroom == sorted(headroom)
+    by_amax = layers_data(path, "amax", top=3)["layers"]
+    assert len(by_amax) == 3 and by_amax[0]["amax"] >= by_amax[1]["amax"] >= by_amax[2]["amax"]
+    result = CliRunner().invoke(main, ["layers", str(path), "--sort", "underflow", "--top", "2", "--format", "json"])
+    assert [layer["name"] for layer in json.loads(result.output)["layers"]] in (
+        ["side.weight", "side.bias"], ["side.bias", "side.weight"])
+
+
+def test_a_steps_level_run_has_no_layers_to_list(tmp_path):
+    path = tmp_path / "steps.parquet"
+    train_recorded(path, steps=5, level="steps", escalate_steps=0)
+    data = layers_data(path)
+    assert data["layers"] == [] and data["missing"].code == "no_layer_rows_to_list"
+    assert "level='steps'" in contract(data)["missing"]
+
+
+def test_large_fp32_activations_are_not_flagged_as_fp16_overflow(tmp_path):
+    from models import QuietMLP
+
+    class Loud(torch.nn.Module):
+        def forward(self, x):
+            return x.float() * 1e6  # fp32 under autocast: safe, however large
+
+    class WithLoud(QuietMLP):
+        def __init__(self):
+            super().__init__()
+            self.loud = Loud()
+
+        def forward(self, x):
+            return super().forward(x) + self.loud(x).mean() * 0
+
+    path = tmp_path / "loud.parquet"
+    train_recorded(path, steps=10, init_scale=2.0**10, level="full", model_factory=WithLoud)
+    report = contract(report_data(path))
+    loud = [layer for layer in report["layers"] if layer["name"] == "loud" and layer["kind"] == "output"]
+    assert loud and loud[0]["amax"] > 65504 and loud[0]["headroom_log2"] > 100  # judged in fp32
+    assert not any("`loud`" in a for a in report["recommendation"]["advice"])

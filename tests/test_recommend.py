@@ -1,0 +1,139 @@
+"""The recommended GradScaler settings, on real CPU fp16 runs of tiny models: each scenario of
+:mod:`report_scenarios` is re-trained from the same seed with the recommended settings; the reasons
+and advice name what no setting fixes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampdoctor.analysis.findings import Finding
+from ampdoctor.analysis.report import report_data
+from ampdoctor.render import contract
+from models import train_recorded
+from report_scenarios import SCENARIOS, STEPS, scenarios, within  # noqa: F401 - the fixture
+
+
+def test_the_scenarios_misbehave_as_intended(scenarios):
+    assert scenarios["init_too_high"][1] >= 5
+    assert scenarios["init_too_high"][2]["scale"]["settle_step"] >= 5
+    current = scenarios["underflow"][2]["recommendation"]["current"]
+    # The side branch's gradients are 0 everywhere (unknown): the rest underflows for sure.
+    assert current["underflow_rate"] is None and current["underflow_rate_max"] > 0.05
+    assert current["underflow_rate_min"] > 0.001
+    assert scenarios["periodic_overflow"][1] >= 5
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_recommended_settings_help_when_retrained(scenarios, name, tmp_path):
+    path, skipped, report = scenarios[name]
+    rec = report["recommendation"]
+    assert rec["verdict"] == "change"
+    settings = {k: rec[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
+    loss_factor = SCENARIOS[name].get("loss_factor", 1.0)
+    retrained = tmp_path / "retrained.parquet"
+    actual = train_recorded(retrained, steps=STEPS, loss_factor=loss_factor, **settings)
+    predicted = rec["predicted"]["skipped_steps"]
+    assert within(actual, predicted, 0.20), (actual, predicted)
+    if skipped:
+        assert actual < skipped
+    else:
+        assert actual <= skipped
+    after = report_data(retrained)["recommendation"]["current"]
+    assert after["underflow_rate"] is not None  # at the recommended scale every gradient has magnitudes
+    after = after["underflow_rate"]
+    before = rec["current"]["underflow_rate_min"]  # the lower bound: what underflowed for sure
+    assert after <= before * 1.10 + 1e-6, (after, before)
+    if name == "underflow":
+        assert after < before / 10
+    # The pasted line is the recommendation, and it constructs.
+    code = contract(report)["recommendation"]["code"].replace('"cuda"', '"cpu"')
+    scaler = eval(code, {"torch": torch})  # noqa: S307 - our own generated line
+    assert scaler.get_scale() == rec["init_scale"]
+
+
+def test_init_too_high_reasons_are_in_numbers(scenarios):
+    rec = scenarios["init_too_high"][2]["recommendation"]
+    # The analysis gives the numbers; the wording formats them.
+    backoff = [r for r in rec["reasons"] if r.code == "start_up_backoff"]
+    assert backoff and backoff[0].values["init_scale"] == 2.0**24 and backoff[0].values["skipped"] >= 5
+    assert all(isinstance(r, Finding) for r in rec["reasons"] + rec["advice"])
+    text = " ".join(contract(scenarios["init_too_high"][2])["recommendation"]["reasons"])
+    assert "init_scale=2**24" in text and "skipped" in text
+    assert f"{rec['predicted']['skipped_steps']} skipped step(s) instead of" in text
+    assert rec["init_scale"] < 2.0**24
+
+
+def test_periodic_overflow_is_explained_as_growth(scenarios):
+    report = contract(scenarios["periodic_overflow"][2])
+    rec = report["recommendation"]
+    assert any("right after the scale grew" in r for r in rec["reasons"])
+    assert rec["growth_interval"] > 10
+    assert report["overflow_origins"], "the taps name where the overflow starts"
+    assert sum(o["count"] for o in report["overflow_origins"]) == report["scale"]["skipped_steps"]
+
+
+def test_window_too_narrow_for_fp16_advises_bfloat16(tmp_path):
+    """Gradients 4000 and 1e-12 x smaller in the same model: any scale that saves the small ones
+    overflows the large ones."""
+    path = tmp_path / "narrow.parquet"
+    train_recorded(path, steps=40, loss_factor=1e4, lr=0.0, init_scale=1.0, growth_interval=5,
+                   model_factory=lambda: __import__("models").QuietMLP(quiet=1e-12))
+    report = report_data(path)
+    rec = report["recommendation"]
+    # The side branch's gradients are 0 at every scale the run reached: the record cannot tell
+    # underflow from no gradient, so no layer or setting is claimed to be fine.
+    assert rec["verdict"] != "keep"
+    side = [layer for layer in report["layers"] if layer["name"].startswith("side.")]
+    assert side and all((layer["underflow_rate_max"] or 0.0) > 0.5 for layer in side)
+
+
+def test_collapsing_scale_advises_lower_lr_or_clipping(tmp_path):
+    path = tmp_path / "diverged.parquet"
+    train_recorded(path, steps=60, loss_factor=100.0, init_scale=2.0**10, growth_interval=10)
+    advice = " ".join(contract(report_data(path))["recommendation"]["advice"])
+    assert "learning rate" in advice and "clip_grad_norm_" in advice
+    assert "ampdoctor postmortem" in advice  # the non-finite losses
+
+
+def test_nan_losses_alone_do_not_mean_no_scale_works(tmp_path):
+    from models import QuietMLP
+
+    class NaNEvery10(QuietMLP):
+        calls = 0
+
+        def forward(self, x):
+            type(self).calls += 1
+            out = super().forward(x)
+            return out * float("nan") if type(self).calls % 10 == 0 else out
+
+    path = tmp_path / "nan.parquet"
+    train_recorded(path, steps=40, init_scale=2.0**12, model_factory=NaNEvery10)
+    rec = report_data(path)["recommendation"]
+    assert rec["verdict"] != "no_scale_works"
+    losses = [a for a in rec["advice"] if a.code == "nonfinite_losses"]
+    assert losses and losses[0].values["steps"] == 4 and losses[0].values["first"] == 9
+    assert any("non-finite loss" in a for a in contract({"advice": rec["advice"]})["advice"])
+
+
+@pytest.mark.parametrize("options, collapsed", [
+    (dict(steps=160, loss_factor=1e20, init_scale=1.0), True),       # backs off to 0: collapsed
+    (dict(steps=12, init_scale=2.0**30), False),                     # only the start-up backoff
+    (dict(steps=60, init_scale=2.0**16, growth_interval=3), False),  # grows back into overflow, again and again
+])
+def test_the_collapse_advice_is_given_only_for_a_collapse(tmp_path, options, collapsed):
+    path = tmp_path / "run.parquet"
+    skipped = train_recorded(path, **options)
+    assert skipped >= 3
+    advice = " ".join(contract(report_data(path))["recommendation"]["advice"])
+    assert ("the scale collapsed" in advice) == collapsed, advice
+
+
+def test_the_scaler_code_holds_the_settings_as_numbers(scenarios):
+    rec = scenarios["underflow"][2]["recommendation"]
+    code = rec["code"]
+    assert code.code == "scaler_code" and code.values["device"] == "cpu"
+    assert all(isinstance(v, (int, float)) for v in code.values["settings"].values())
+    assert math.isclose(code.values["settings"]["init_scale"], rec["init_scale"])
