@@ -17,16 +17,18 @@ from .errors import AmpdoctorError, RecorderError, RunError  # noqa: E402
 _LAZY = {"GradScaler": ("scaler", "GradScaler"), "wrap": ("scaler", "wrap"), "unwrap": ("scaler", "unwrap"),
          "load": ("run", "load"), "read_run": ("run", "read_run"), "Run": ("run", "Run"),
          "find_origins": ("analysis.origins", "find_origins"),
-         "report": ("contracts", "report"), "postmortem": ("contracts", "postmortem")}
+         "report": ("contracts", "report"), "postmortem": ("contracts", "postmortem"),
+         "compare": ("contracts", "compare"), "simulate": ("contracts", "simulate"),
+         "layers": ("contracts", "layers")}
 
 if TYPE_CHECKING:
     from .analysis.origins import find_origins
-    from .contracts import postmortem, report
+    from .contracts import compare, layers, postmortem, report, simulate
     from .run import Run, load, read_run
     from .scaler import GradScaler, unwrap, wrap
 
 __all__ = ["GradScaler", "wrap", "unwrap", "load", "read_run", "Run", "find_origins", "report", "postmortem",
-           "AmpdoctorError", "RecorderError", "RunError", "__version__"]
+           "compare", "simulate", "layers", "AmpdoctorError", "RecorderError", "RunError", "__version__"]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,19 @@ from .plan import StepPlan
 from .records import FlightRecord, FlightStep, read_scalars
 from .transfer import Fence, HostCopies
 from .writer import RunWriter
+
+
+@dataclass
+class Seen:
+    """What the checks have read so far from the steps' host scalars: the end-of-run summary of
+    :mod:`ampdoctor.live_status`, counted without a device read of its own."""
+
+    steps: int = 0             # steps handed to the watch (recorded, or dropped by a full queue)
+    checked: int = 0           # of those, the steps whose scalars were read
+    skipped: int = 0           # checked steps the scaler skipped
+    anomalies: int = 0         # anomalous steps (skipped, non-finite loss or parameter, scale below the floor)
+    nonfinite_losses: int = 0  # checked steps whose loss was NaN or inf
+    nonfinite_params: int = 0  # checked steps whose parameter check found a NaN or inf
 
 
 class AnomalyWatch:
@@ -42,12 +56,14 @@ class AnomalyWatch:
         self.closing = False               # the recorder is closing: no waits for the writer
         self._last_checked_anomaly = -2    # a run of anomalous steps waits for the writer once
         self._below_floor = False
+        self.seen = Seen()
 
     def step_done(self, step: int, scalars: torch.Tensor | None, fence: Fence | None, flight_step: FlightStep | None,
                   *, skipped_on_host: bool) -> None:
         """``step``'s record is queued: keep its module peaks (``flight_step``, when its module taps
         were light) in the flight recorder and its scalars for the check; act on a skip seen on the
         host; then check the steps whose copies have landed. No sync."""
+        self.seen.steps += 1
         if flight_step is not None:
             flight_step.scalars, flight_step.event = scalars, fence
             self.flight.append(flight_step)
@@ -78,8 +94,10 @@ class AnomalyWatch:
                 self.last_scalars = scalars
             values = read_scalars(scalars)
             below = self._scale_floor is not None and scalars is not None and values.scale < self._scale_floor
-            fatal = ((values.loss is not None and not math.isfinite(values.loss))
-                     or (values.param_peak is not None and not math.isfinite(values.param_peak)))
+            bad_loss = values.loss is not None and not math.isfinite(values.loss)
+            bad_params = values.param_peak is not None and not math.isfinite(values.param_peak)
+            fatal = bad_loss or bad_params
+            self._count(values.skipped, bad_loss, bad_params)
             if values.skipped or fatal or (below and not self._below_floor):
                 self.on_anomaly(step, current_step, fatal=fatal)
             self._below_floor = below
@@ -88,6 +106,13 @@ class AnomalyWatch:
         while self.flight and self.flight[0].step < horizon:
             self.flight.popleft()
 
+    def _count(self, skipped: bool, bad_loss: bool, bad_params: bool) -> None:
+        seen = self.seen
+        seen.checked += 1
+        seen.skipped += skipped
+        seen.nonfinite_losses += bad_loss
+        seen.nonfinite_params += bad_params
+
     def on_anomaly(self, step: int, current_step: int, *, fatal: bool = False, seen_on_host: bool = False) -> None:
         """Write out the flight recorder's steps up to ``step`` and escalate the steps after
         ``current_step``, once per anomalous step. ``seen_on_host``: a skip known at ``step()``
@@ -95,6 +120,7 @@ class AnomalyWatch:
         scalars comes back here for the rest."""
         if step > self.handled:
             self.handled = step
+            self.seen.anomalies += 1
             window = [e for e in self.flight if step - self._flight_steps < e.step <= step]
             later = [e for e in self.flight if e.step > step]  # seen already, checked later
             self.flight.clear()

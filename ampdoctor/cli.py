@@ -165,13 +165,21 @@ def report(run: Run, fmt: str, top: int, output: str | None) -> None:
 @click.option("--init-scale", type=Scale(), default=None,
               help="A number or a power of two such as 2**16 [default: the run's own, or 2**16 for a run "
                    "without loss scaling]")
-@click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None)
-@click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None)
-@click.option("--growth-interval", type=click.IntRange(min=1), default=None)
+@click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None,
+              help="Factor by which the scale grows after a growth interval without overflow "
+                   "[default: the run's own, else 2.0].")
+@click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
+              help="Factor by which the scale shrinks on a step that overflows "
+                   "[default: the run's own, else 0.5].")
+@click.option("--growth-interval", type=click.IntRange(min=1), default=None,
+              help="Steps in a row without overflow before the scale grows [default: the run's own, else 2000].")
 @click.option("--hysteresis", type=click.IntRange(min=1), default=None,
               help="Overflows in a row before backing off (Megatron/DeepSpeed) [default: 1, as torch].")
-@click.option("--min-scale", type=Scale(allow_zero=True), default=None)
-@click.option("--max-scale", type=Scale(), default=None)
+@click.option("--min-scale", type=Scale(allow_zero=True), default=None,
+              help="Lowest scale a backoff may reach, a number or a power of two (Megatron/DeepSpeed's "
+                   "min_loss_scale) [default: 0, no bound, as torch].")
+@click.option("--max-scale", type=Scale(), default=None,
+              help="Highest scale growth may reach, a number or a power of two [default: no bound, as torch].")
 @output_format("text", "md", "json")
 @output_option
 @library_errors
@@ -218,6 +226,98 @@ def postmortem(run: Run, fmt: str, output: str | None) -> None:
     _emit(render.postmortem(postmortem_data(run), fmt, color=output is None and _color()), output)
 
 
+@main.command()
+@click.argument("run_a", type=click.Path(path_type=str, readable=False))
+@click.argument("run_b", type=click.Path(path_type=str, readable=False))
+@click.option("--run-a", "run_id_a", metavar="ID", default=None,
+              help="Which run of RUN_A's directory (a run id or its prefix) [default: the latest]")
+@click.option("--run-b", "run_id_b", metavar="ID", default=None,
+              help="Which run of RUN_B's directory [default: the latest]")
+@output_format("text", "md", "json", "html")
+@click.option("--top", type=click.IntRange(min=1), default=15, show_default=True,
+              help="Layers shown in the text table.")
+@output_option
+@library_errors
+def compare(run_a: str, run_b: str, run_id_a: str | None, run_id_b: str | None, fmt: str, top: int,
+            output: str | None) -> None:
+    """Two runs side by side: skipped steps, loss scale, underflow, per-layer changes, and, when RUN_B
+    used the settings RUN_A's report recommended, whether its prediction held."""
+    from . import render
+    from .analysis.compare import compare_data
+    from .run import read_run
+
+    runs = read_run(run_a, run_id_a), read_run(run_b, run_id_b)  # both paths checked before any analysis
+    _emit(render.comparison(compare_data(*runs), fmt, color=output is None and _color(), top=top), output)
+
+
+@main.command()
+@run_argument
+@click.option("--tensorboard", "logdir", required=True, metavar="DIR",
+              type=click.Path(file_okay=False, path_type=str),
+              help="Write TensorBoard event files here, one subdirectory per rank (rank0, rank1, ...).")
+@output_format("text", "json")
+@library_errors
+def export(run: Run, logdir: str, fmt: str) -> None:
+    """Export a run to TensorBoard: scale, skipped steps, loss and gradient norm per step; per layer
+    the binade histograms and underflow rates of the sampled steps. Needs the tensorboard extra."""
+    import shlex
+
+    from .export.tensorboard import export_tensorboard
+
+    written = export_tensorboard(run, logdir)
+    if fmt == "json":
+        click.echo(json.dumps(written, indent=2))
+        return
+    for rank in written["ranks"]:
+        click.echo(f"rank {rank['rank']}: {rank['steps']} steps, {rank['scalars']} scalar points, "
+                   f"{rank['histograms']} histograms -> {rank['dir']}")
+    click.echo(f"View with:\n  tensorboard --logdir {shlex.quote(logdir)}")
+
+
+class WatchTimeout(click.ClickException):
+    """``watch`` gave up waiting: exit 3, apart from bad input (2)."""
+
+    exit_code = 3
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=str, readable=False))
+@click.option("--run", "run_id", metavar="ID", default=None,
+              help="Which run of the directory (a run id or its prefix) [default: the latest when first seen]")
+@click.option("--interval", metavar="SECONDS", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              help="Seconds between two looks at the run.")
+@click.option("--timeout", metavar="SECONDS", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Give up after this many seconds, exit 3 [default: wait until the run ends].")
+@output_format("text", "json")
+@library_errors
+def watch(run: str, run_id: str | None, interval: float, timeout: float | None, fmt: str) -> None:
+    """Follow a run while another process writes it: a line per poll with new steps (latest step,
+    scale, skipped steps so far, loss, anomalous steps); exit 0 once every writer has closed the run.
+    Waits for a run that does not exist yet."""
+    from .render import watch as lines
+    from .watch import TimedOut, follow
+
+    first, said_waiting = True, False
+    try:
+        for progress in follow(run, run_id, interval=interval, timeout=timeout):
+            if progress is None:
+                if not said_waiting:
+                    click.echo(lines.waiting_line(run), err=True)
+                    said_waiting = True
+                continue
+            if first:
+                click.echo(lines.following_line(progress), err=True)
+                first = False
+            for warning in progress.warnings:
+                click.echo(f"Warning: {warning}", err=True)
+            if progress.new_steps:
+                click.echo(lines.json_line(progress, "progress") if fmt == "json" else lines.progress_line(progress))
+            if progress.ended:
+                click.echo(lines.json_line(progress, "ended") if fmt == "json" else lines.ended_line(progress))
+    except TimedOut as exc:
+        raise WatchTimeout(lines.timeout_message(run, timeout, exc.last)) from None
+
+
 def _demo_help() -> str:
     """The command's help, listing SCENARIOS (so that it cannot go stale); \b keeps the list's lines."""
     names = "\n".join(f"  {name:<10} {s.description}" for name, s in SCENARIOS.items())
@@ -236,21 +336,49 @@ def _demo_help() -> str:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--report", "show_report", is_flag=True,
               help="Then print what explains the run: the report (for --scenario nan, the postmortem).")
+@click.option("--settings-from", "settings_from", metavar="RUN", type=click.Path(path_type=str, readable=False),
+              default=None, help="Train with the GradScaler settings RUN's report recommends (then check them with "
+                                 "`ampdoctor compare RUN OUT`); the options below override single settings.")
+@click.option("--init-scale", type=Scale(), default=None,
+              help="GradScaler init_scale, a number or a power of two such as 2**16 [default: the scenario's].")
+@click.option("--growth-factor", type=click.FloatRange(min=1, min_open=True), default=None,
+              help="GradScaler growth_factor [default: the scenario's, 2].")
+@click.option("--backoff-factor", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=None,
+              help="GradScaler backoff_factor [default: the scenario's, 0.5].")
+@click.option("--growth-interval", type=click.IntRange(min=1), default=None,
+              help="GradScaler growth_interval [default: the scenario's].")
 @library_errors
-def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, show_report: bool) -> None:
-    from .demo import clear_previous_run, default_steps, resolve_device, run_demo
+def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, show_report: bool,
+         settings_from: str | None, **overrides) -> None:
+    from .demo import StepTimer, clear_previous_run, default_steps, recommended_settings, resolve_device, run_demo
 
     explained_by = SCENARIOS[scenario].explained_by
     device = resolve_device(device)
     clear_previous_run(path)  # run_demo does too; here, to refuse a bad --out before training starts
+    settings = {**(recommended_settings(settings_from) if settings_from else {}),
+                **{k: v for k, v in overrides.items() if v is not None}}
     click.echo(f"Scenario {scenario}: {SCENARIOS[scenario].description}.")
-    with click.progressbar(length=steps or default_steps(device), label="training", file=sys.stderr) as bar:
-        result = run_demo(path, scenario=scenario, steps=steps, device=device, seed=seed, progress=bar.update)
+    if settings:
+        from .render.formatting import setting
+        given = ", ".join(f"{k}={setting(k, v)}" for k, v in settings.items())
+        click.echo(f"Scaler settings: {given}" + (f" (recommended by {settings_from})" if settings_from else "") + ".")
+    total = steps or default_steps(device)
+    timer = StepTimer(total)  # click's own ETA averages from the start, warm-up included: far too long
+    with click.progressbar(length=total, label="training", file=sys.stderr, show_eta=False,
+                           item_show_func=lambda eta: eta) as bar:
+        def progress(n: int) -> None:
+            timer.advance(n)
+            bar.update(n, timer.eta())
+
+        result = run_demo(path, scenario=scenario, steps=steps, device=device, seed=seed, progress=progress,
+                          **settings)
     fault = f" (weight blown up at step {result.fault_step})" if result.fault_step is not None else ""
     click.echo(f"Trained {result.steps} steps on {result.device}{fault}: final loss {result.final_loss:.3f}, "
                f"final scale {result.final_scale:g}.")
     if not show_report:
         click.echo(f"Wrote {result.path}. Read it with:\n  ampdoctor {explained_by} {result.path}")
+        if settings_from:
+            click.echo(f"Check the recommendation with:\n  ampdoctor compare {settings_from} {result.path}")
         return
     from . import render
 

@@ -7,7 +7,9 @@ import contextlib
 import math
 import os
 import shutil
+import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,8 +17,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .analysis.scaler_config import ScalerConfig
 from .errors import AmpdoctorError
-from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS, Scenario
+from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCALER_SETTINGS, SCENARIOS
 
 STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
 
@@ -69,8 +72,6 @@ def synthetic_batch(gen: torch.Generator, batch: int, context: int, vocab: int, 
     return seq[:, :-1].to(device), seq[:, 1:].to(device)
 
 
-
-
 @dataclass
 class DemoResult:
     path: str
@@ -80,6 +81,7 @@ class DemoResult:
     final_scale: float
     scenario: str = "healthy"
     fault_step: int | None = None       # the first step with the blown-up weight: its loss is the first NaN
+    settings: dict | None = None        # the GradScaler settings it trained with
 
 
 def resolve_device(device: str | None) -> str:
@@ -124,18 +126,52 @@ def _restore_threads(threads: int):
         torch.set_num_threads(threads)
 
 
+def scaler_settings(scenario: str, **overrides: float | None) -> dict[str, float]:
+    """The four GradScaler settings ``scenario`` trains with, with the given non-None ``overrides``
+    (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``) in their place."""
+    if scenario not in SCENARIOS:
+        raise DemoError(f"unknown scenario {scenario!r}: choose one of {', '.join(SCENARIOS)}")
+    unknown = set(overrides) - set(SCALER_SETTINGS)
+    if unknown:
+        raise DemoError(f"not a GradScaler setting: {', '.join(sorted(unknown))}")
+    cfg = SCENARIOS[scenario]
+    settings = {"init_scale": cfg.init_scale, "growth_factor": 2.0, "backoff_factor": 0.5,
+                "growth_interval": cfg.growth_interval}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    settings["growth_interval"] = int(settings["growth_interval"])
+    try:  # torch's GradScaler takes any number; a scale of 0 or a backoff above 1 would train nonsense
+        ScalerConfig(**settings)
+    except ValueError as exc:
+        raise DemoError(f"scaler settings: {exc}") from None
+    return settings
+
+
+def recommended_settings(run: str | os.PathLike, run_id: str | None = None) -> dict[str, float]:
+    """The four GradScaler settings the report of ``run`` recommends (``--settings-from``): to
+    train a scenario again with them and check the prediction with ``ampdoctor compare``."""
+    from .analysis.report import report_data
+    from .run import read_run
+
+    recommendation = report_data(read_run(run, run_id))["recommendation"]
+    if recommendation is None:
+        raise DemoError(f"{os.fspath(run)}: its report has no recommendation (too few steps) to train with")
+    return {key: recommendation[key] for key in SCALER_SETTINGS}
+
+
 def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy", steps: int | None = None,
              device: str | None = None, seed: int = 0,
-             progress: Callable[[int], None] | None = None) -> DemoResult:
+             progress: Callable[[int], None] | None = None, **settings: float | None) -> DemoResult:
     """Train the demo model with ``ampdoctor.GradScaler`` in ``scenario`` (a key of SCENARIOS) and
     write a run to ``path``, replacing the run a previous demo wrote there.
 
     CUDA when available (fp16 autocast, a larger model), else the CPU (fp16 autocast, tiny model
-    so that it finishes in seconds). ``progress(n)`` is called after every step."""
+    so that it finishes in seconds). ``progress(n)`` is called after every step. ``settings``:
+    GradScaler settings (``init_scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``) that replace the scenario's, e.g. a report's recommendation
+    (:func:`recommended_settings`); the model, data and fault stay the scenario's."""
     from .scaler import GradScaler
 
-    if scenario not in SCENARIOS:
-        raise DemoError(f"unknown scenario {scenario!r}: choose one of {', '.join(SCENARIOS)}")
+    scaler_kwargs = scaler_settings(scenario, **settings)
     cfg = SCENARIOS[scenario]
     device = resolve_device(device)
     device_type = torch.device(device).type
@@ -152,8 +188,8 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20))
     batch = 16 if cpu else 32
     loss = torch.tensor(math.nan)
-    scaler = GradScaler(device_type, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval, model=model,
-                        path=path, amp_dtype=torch.float16, level=cfg.level)
+    scaler = GradScaler(device_type, **scaler_kwargs, model=model, path=path, amp_dtype=torch.float16,
+                        level=cfg.level)
     threads = torch.get_num_threads()
     if cpu:  # one thread: the same run, bit for bit, on any number of cores (reductions split alike)
         torch.set_num_threads(1)
@@ -180,4 +216,44 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
                 progress(1)
         final_scale = scaler.get_scale()
     # The cross-entropy, before the scenario's loss factor: comparable across scenarios.
-    return DemoResult(os.fspath(path), steps, device, float(loss.detach()), final_scale, scenario, fault_at)
+    return DemoResult(os.fspath(path), steps, device, float(loss.detach()), final_scale, scenario, fault_at,
+                      scaler_kwargs)
+
+
+class StepTimer:
+    """The time left, estimated from the most recent steps: the first steps of a run include
+    warm-up (allocations, kernel selection, the recorder's first segment), often more than the
+    rest of a short run together, so an average since the start overestimates it several times
+    over (click's own ETA said 38 s for a 5 s demo). Steps are timed between ``advance`` calls;
+    the time before the first one (building the model, the first step's warm-up) counts for
+    nothing."""
+
+    WINDOW = 10        # the steps the rate is measured over
+    MIN_INTERVALS = 2  # timed steps before an estimate is given
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total = total
+        self.done = 0
+        self._clock = clock
+        self._marks: deque[tuple[float, int]] = deque(maxlen=self.WINDOW + 1)  # (time, steps done)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        self._marks.append((self._clock(), self.done))
+
+    def seconds_left(self) -> float | None:
+        """Seconds to the last step at the recent rate; None until enough steps are timed."""
+        if len(self._marks) <= self.MIN_INTERVALS:
+            return None
+        (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
+        if n1 <= n0:
+            return None
+        return max(0, self.total - self.done) * (t1 - t0) / (n1 - n0)
+
+    def eta(self) -> str:
+        """``eta 00:00:04`` (as click writes times), or ``""`` while unknown."""
+        left = self.seconds_left()
+        if left is None:
+            return ""
+        t = int(round(left))
+        return f"eta {t // 3600:02}:{t // 60 % 60:02}:{t % 60:02}"

@@ -37,7 +37,7 @@ from torch import nn
 
 from .schema import ROOT_NAME
 
-_WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # never tapped
+WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # never tapped
 
 # Modules that only hold other modules: tapping them would repeat their last child's rows.
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -110,7 +110,7 @@ def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple
     out = []
     for name, m in unwrap_model(model).named_modules():
         name = clean_name(name) or ROOT_NAME
-        if type(m).__name__ in _WRAPPER_CLASSES or isinstance(m, torch.jit.ScriptModule):
+        if type(m).__name__ in WRAPPER_CLASSES or isinstance(m, torch.jit.ScriptModule):
             continue  # a wrapper's output is its wrapped module's; TorchScript refuses hooks
         if match(name, m):
             out.append((name, m))

@@ -12,8 +12,8 @@ recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
 The rooms around it: what each step records (:mod:`ampdoctor.plan`), parameters named and grouped
 (:mod:`ampdoctor.parameters`), module taps (:mod:`ampdoctor.hooks`, calling ``observe_tap``),
 anomalies and the flight recorder (:mod:`ampdoctor.anomalies`), the run id and rank
-(:mod:`ampdoctor.run_identity`), the segments' metadata (:mod:`ampdoctor.run_metadata`), and the
-end of the process (:mod:`ampdoctor.shutdown`).
+(:mod:`ampdoctor.run_identity`), the segments' metadata (:mod:`ampdoctor.run_metadata`), the start
+and end log lines (:mod:`ampdoctor.live_status`), and the process's end (:mod:`ampdoctor.shutdown`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .anomalies import AnomalyWatch
 from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
+from .live_status import LiveStatus
 from .options import RecordOptions, default_path
 from .parameters import ParameterIndex
 from .plan import StepPlan
@@ -115,9 +116,9 @@ class Recorder:
         # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
         # over skipped steps to the step that wrote it: check after every step.
         self._params_every_step = options.check_params == "always" or not scaler.is_enabled()
-        self._run_metadata = RunMetadata(scaler, scaler_class, options, device_type=self.device_type,
-                                         world_size=self.world_size)
         inner = unwrap_model(model) if model is not None else None
+        self._run_metadata = RunMetadata(scaler, scaler_class, options, device_type=self.device_type,
+                                         world_size=self.world_size, model=inner)
         self._parameters = ParameterIndex(
             {id(p): clean_name(n) for n, p in inner.named_parameters()} if inner is not None else {})
         if inner is not None:
@@ -138,6 +139,7 @@ class Recorder:
         self._anomalies = AnomalyWatch(self._plan, self.writer, self._copies, rank=self.rank,
                                        flight_steps=options.flight_steps, scale_floor=options.scale_floor,
                                        start_step=start_step)
+        self._status = LiveStatus(self.path, options.level, self.rank, self.world_size)
         shutdown.opened(self)
         self._check_path()
         self._plan_step()
@@ -193,6 +195,7 @@ class Recorder:
             self._reported = True
             warnings.warn(f"ampdoctor: the writer did not finish {self.path} in time (a stalled disk?); its last "
                           f"steps may be missing", RuntimeWarning, stacklevel=3)
+        self._status.finished(self.run_id, self._anomalies.seen, self.dropped_steps)
 
     @_guarded
     def set_step(self, step: int) -> None:
@@ -204,8 +207,7 @@ class Recorder:
         self._last_param_check, self._stepped = step - 1, False
         self._plan_step()
 
-    def use_copies(self, copies: HostCopies) -> None:
-        """Copy to the host through ``copies`` from now on (tests: fences whose events complete late)."""
+    def use_copies(self, copies: HostCopies) -> None:  # tests: fences whose events complete late
         self._copies = self._anomalies.copies = copies
 
     def continue_run(self, run_id: str) -> None:
@@ -438,6 +440,7 @@ class Recorder:
         self._backward_scale, self._inv_scales = None, {}
         if not self.writer.put(record) and not self.writer.closed and not self.writer.failed:
             self._step_dropped()
+        self._status.started(self.run_id)
         self._anomalies.step_done(self.step, record.scalars, record.event, flight_step,
                                   skipped_on_host=self._skipped_on_host)
         self._skipped_on_host = False

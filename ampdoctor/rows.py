@@ -46,8 +46,8 @@ def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: i
         stats.append(merged)
     blocks = [step.block(labels, _stat_columns(HostStats.concat(stats)), losses=[scalars.loss])]
     if record.taps:
-        stats = HostStats.concat([t.stats.decode() for t in record.taps])
-        blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(stats), taps=record.taps))
+        tap_stats = HostStats.concat([t.stats.decode() for t in record.taps])
+        blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(tap_stats), taps=record.taps))
     if record.params is not None:
         blocks.append(_param_rows(step, record.params, float_format(record.amp_dtype).max))
     anomaly = (scalars.skipped or (scalars.loss is not None and not np.isfinite(scalars.loss))

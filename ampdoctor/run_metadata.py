@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 
 from . import __version__
+from .hooks import WRAPPER_CLASSES, clean_name
 from .options import RecordOptions
 from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
-                     META_INIT_SCALE, META_LEVEL, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS, META_SCALER_ENABLED,
-                     META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE, SCALER_META,
-                     SCHEMA_VERSION)
+                     META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS,
+                     META_SCALER_ENABLED, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE,
+                     SCALER_META, SCHEMA_VERSION)
+
+# Every segment footer carries the module types: a cap keeps a model of thousands of indexed
+# modules (a 2000-layer ModuleList) from making each footer hundreds of kilobytes.
+MAX_MODULE_TYPES = 2000
 
 
 class RunMetadata:
@@ -21,8 +27,10 @@ class RunMetadata:
     run continues another) and the steps dropped so far."""
 
     def __init__(self, scaler: torch.amp.GradScaler, scaler_class: str, options: RecordOptions, *,
-                 device_type: str, world_size: int) -> None:
-        """Reads the current scale once (a sync) when ``scaler`` has already been used."""
+                 device_type: str, world_size: int, model: torch.nn.Module | None = None) -> None:
+        """Reads the current scale once (a sync) when ``scaler`` has already been used. ``model``:
+        the unwrapped model (:func:`~ampdoctor.hooks.unwrap_model`), whose indexed modules' types
+        are recorded."""
         fixed = {META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_VERSION: __version__,
                  META_TORCH_VERSION: torch.__version__, META_SCALER_CLASS: scaler_class,
                  META_SCALER_ENABLED: str(scaler.is_enabled()).lower(),
@@ -30,6 +38,8 @@ class RunMetadata:
         for name in ("growth_factor", "backoff_factor", "growth_interval"):  # a disabled torch scaler has none
             if hasattr(scaler, f"_{name}"):
                 fixed[SCALER_META[name]] = str(getattr(scaler, f"_{name}"))
+        if model is not None:
+            fixed[META_MODULE_TYPES] = json.dumps(module_types(model), separators=(",", ":"))
         self._fixed = fixed
         self._world_size = str(world_size)
         self._options = options
@@ -43,6 +53,24 @@ class RunMetadata:
             META_RUN_ID: run_id, META_RUN_STARTED: self.started, META_LEVEL: self._options.level,
             META_DROPPED_STEPS: str(dropped_steps),
         }
+
+
+def module_types(model: torch.nn.Module, limit: int = MAX_MODULE_TYPES) -> dict[str, str]:
+    """{qualified name, as the rows name it: class name} of the modules whose name ends in an
+    integer (the children of ``nn.Sequential`` and ``nn.ModuleList``: ``blocks.0``, ``mlp.2``), where
+    a bare index tells a reader nothing. The first ``limit`` of them, in ``named_modules()`` order.
+
+    Wrapper levels are skipped (FSDP1's ``layers.0`` is a FullyShardedDataParallel holding the
+    block at ``layers.0._fsdp_wrapped_module``; both clean to ``layers.0``, which is the block)."""
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        name = clean_name(name)
+        if type(module).__name__ in WRAPPER_CLASSES or not name.rpartition(".")[2].isdigit():
+            continue
+        if name not in out and len(out) >= limit:
+            break
+        out[name] = type(module).__name__
+    return out
 
 
 def _current_scale(scaler: torch.amp.GradScaler) -> float:

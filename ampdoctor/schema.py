@@ -11,6 +11,8 @@ SCHEMA_VERSION = 1
 HIST_MIN_EXP = -56
 HIST_BINS = 64
 
+# Row kinds: "step" (one per step and rank), "param_grad", "param", and the module taps'.
+MODULE_KINDS = ("output", "grad_output")
 ROOT_NAME = "(model)"  # the `name` of module rows of the model itself (its qualified name is "")
 
 # What a run records (the `record.level` metadata value; RecordOptions.level).
@@ -40,6 +42,10 @@ META_RUN_ID = "run.id"
 META_RUN_STARTED = "run.started"          # ISO 8601 with time zone, one-second resolution
 META_LEVEL = "record.level"               # "steps", "params" or "full"
 META_DROPPED_STEPS = "record.dropped_steps"
+# JSON object: module name -> class name, for the modules whose name ends in an index (the
+# children of nn.Sequential / nn.ModuleList: "blocks.0", "mlp.2"), so reports can say what "mlp.2"
+# is. Written only when the scaler was given `model=`; absent in older runs.
+META_MODULE_TYPES = "model.module_types"
 
 # The scaler's settings as metadata keys, by ScalerConfig field name.
 SCALER_META = {"init_scale": META_INIT_SCALE, "growth_factor": META_GROWTH_FACTOR,
@@ -49,6 +55,7 @@ META_KEYS = (
     META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, META_WRITER, META_SEGMENT, META_FINAL, META_RANK,
     META_WORLD_SIZE, META_DEVICE, META_AMP_DTYPE, META_SCALER_CLASS, META_SCALER_ENABLED, *SCALER_META.values(),
     META_HIST_MIN_EXP, META_HIST_BINS, META_RUN_ID, META_RUN_STARTED, META_LEVEL, META_DROPPED_STEPS,
+    META_MODULE_TYPES,
 )
 
 

@@ -1,9 +1,11 @@
 """The CLI: thin commands, one-line errors with exit code 2, never a traceback."""
 
 import json
+import shlex
 import subprocess
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -100,13 +102,13 @@ def test_reading_a_run_imports_no_torch(tmp_path):
     record(path, steps=4, init_scale=2.0**24)
     probe = ("import sys\nfrom ampdoctor.cli import main\n"
              "for args in (['info'], ['report'], ['report', '--format', 'html'], ['simulate'], ['layers'],\n"
-             "             ['postmortem', '--format', 'md']):\n"
+             "             ['postmortem', '--format', 'md'], ['watch'], ['compare', %r]):\n"
              "    try:\n        main([*args[:1], %r, *args[1:]])\n"
              "    except SystemExit as exc:\n        assert not exc.code, (args, exc.code)\n"
              "import ampdoctor\n"
              "assert ampdoctor.report(%r)['scale']['skipped_steps'] > 0\n"
              "assert ampdoctor.postmortem(%r)['status']\n"
-             "assert 'torch' not in sys.modules, 'a reading command imported torch'\n") % ((str(path),) * 3)
+             "assert 'torch' not in sys.modules, 'a reading command imported torch'\n") % ((str(path),) * 4)
     subprocess.run([sys.executable, "-c", probe], check=True, timeout=300, capture_output=True)
 
 
@@ -125,3 +127,49 @@ def test_an_internal_error_is_one_line_unless_a_traceback_is_asked_for(tmp_path,
     for args, env in ((["--traceback", "info", str(path)], {}), (["info", str(path)], {"AMPDOCTOR_DEBUG": "1"})):
         result = CliRunner().invoke(main, args, env=env)
         assert isinstance(result.exception, ZeroDivisionError) and result.exit_code == 1
+
+
+def test_every_simulate_setting_has_help(cli):
+    """Each setting of `simulate` says what it does and what it defaults to."""
+    from ampdoctor.cli import simulate
+
+    options = {p.name: p for p in simulate.params if isinstance(p, click.Option)}
+    for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+                 "min_scale", "max_scale"):
+        assert options[name].help and "[default:" in options[name].help, name
+    text = cli.invoke(main, ["simulate", "--help"], terminal_width=100).output
+    assert "Factor by which the scale grows" in text and "Steps in a row without overflow" in text
+    assert "Lowest scale a backoff may reach" in text and "Highest scale growth may reach" in text
+
+
+def test_the_cut_layer_table_names_the_run_to_list_them_all(cli, tmp_path):
+    from models import train_recorded
+
+    path = tmp_path / "my runs" / "it's here.parquet"  # a space and a quote: shell-quoted
+    path.parent.mkdir()
+    train_recorded(path, steps=4)
+    result = cli.invoke(main, ["report", str(path), "--top", "2"])
+    assert result.exit_code == 0, result.output
+    hint = [line for line in result.output.splitlines() if "more (ampdoctor layers" in line]
+    assert len(hint) == 1 and "RUN" not in hint[0], hint
+    command = hint[0].split("(", 1)[1].rsplit(")", 1)[0]
+    assert shlex.split(command) == ["ampdoctor", "layers", str(path), "--top", "N"]
+
+
+def test_simulate_lines_fit_100_columns(cli, tmp_path):
+    from models import train_recorded
+
+    path = tmp_path / ("a-rather-long-directory-name-for-a-run" * 2) / "run.parquet"
+    path.parent.mkdir()
+    train_recorded(path, steps=20, init_scale=2.0**24, loss_factor=1e-3)
+    result = cli.invoke(main, ["simulate", str(path), "--init-scale", "2**20", "--growth-factor", "1.5",
+                               "--backoff-factor", "0.25", "--growth-interval", "123456", "--hysteresis", "3",
+                               "--min-scale", "2**-10", "--max-scale", "2**30"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(len(line) for line in lines) <= 100, [line for line in lines if len(line) > 100]
+    # Every setting is still printed, wrapped rather than cut.
+    joined = " ".join(lines)
+    for part in ("init_scale=2**20", "growth_factor=1.5", "backoff_factor=0.25", "growth_interval=123456",
+                 "hysteresis=3", "min_scale=2**-10", "max_scale=2**30", "overflow threshold"):
+        assert part in joined, part

@@ -168,3 +168,61 @@ def test_the_demo_replaces_its_own_run_and_nothing_else(tmp_path):
     assert result.exit_code == 2 and "not an ampdoctor run" in result.output
     with pytest.raises(DemoError, match="unknown scenario"):
         run_demo(tmp_path / "y", scenario="bogus")
+
+
+# -- other scaler settings (to check a recommendation with `ampdoctor compare`) ----------------------
+
+def test_other_scaler_settings_replace_the_scenarios(tmp_path):
+    from ampdoctor.schema import META_GROWTH_INTERVAL
+
+    path = tmp_path / "run.parquet"
+    result = run_demo(path, scenario="overflow", steps=3, device="cpu", init_scale=2.0**8, growth_interval=50)
+    assert result.settings == {"init_scale": 256.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                               "growth_interval": 50}
+    metadata = ampdoctor.read_run(path).metadata
+    assert float(metadata[META_INIT_SCALE]) == 256.0 and int(float(metadata[META_GROWTH_INTERVAL])) == 50
+    with pytest.raises(DemoError, match="backoff_factor"):
+        run_demo(tmp_path / "x", steps=1, device="cpu", backoff_factor=2.0)
+    with pytest.raises(DemoError, match="not a GradScaler setting: hysteresis"):
+        run_demo(tmp_path / "x", steps=1, device="cpu", hysteresis=2)
+    assert not (tmp_path / "x").exists()
+    result = demo("--backoff-factor", "2", "--out", str(tmp_path / "y"))
+    assert result.exit_code == 2 and "Invalid value for '--backoff-factor'" in result.output
+
+
+def test_settings_from_a_run_train_its_recommendation(demos, tmp_path):
+    source, _ = demos["overflow"]
+    rec = ampdoctor.report(source)["recommendation"]
+    path = tmp_path / "fixed.parquet"
+    result = demo("--scenario", "overflow", "--out", str(path), "--steps", "2", "--settings-from", str(source),
+                  "--backoff-factor", "0.25")
+    assert result.exit_code == 0, result.output
+    scaler = ampdoctor.report(path)["run"]["scaler"]
+    assert {k: scaler[k] for k in ("init_scale", "growth_factor", "growth_interval")} == {
+        k: rec[k] for k in ("init_scale", "growth_factor", "growth_interval")}
+    assert scaler["backoff_factor"] == 0.25  # an option given overrides the recommendation's setting
+    assert f"(recommended by {source})." in result.stdout
+    assert result.stdout.endswith(f"Check the recommendation with:\n  ampdoctor compare {source} {path}\n")
+    bad = demo("--out", str(tmp_path / "z"), "--settings-from", str(tmp_path / "nothing"))
+    assert bad.exit_code == 2 and bad.output.startswith("Error: ") and bad.output.count("\n") == 1
+
+
+def test_the_eta_comes_from_recent_steps_not_the_warm_up():
+    from ampdoctor.demo import StepTimer
+
+    now = [0.0]
+    timer = StepTimer(150, clock=lambda: now[0])
+    now[0] = 3.0  # model building and the first step's warm-up
+    timer.advance()
+    assert timer.seconds_left() is None and timer.eta() == ""
+    for _ in range(19):
+        now[0] += 0.03
+        timer.advance()
+    # 130 steps left at 0.03 s: about 4 s (an average since the start, warm-up included, says 23 s)
+    assert timer.seconds_left() == pytest.approx(3.9) and timer.eta() == "eta 00:00:04"
+    for _ in range(130):
+        now[0] += 0.5  # slower steps: the estimate follows within its window
+        timer.advance()
+        if timer.done == 140:
+            assert timer.seconds_left() == pytest.approx(5.0)
+    assert timer.seconds_left() == 0 and timer.eta() == "eta 00:00:00"

@@ -68,3 +68,61 @@ def test_large_fp32_activations_are_not_flagged_as_fp16_overflow(tmp_path):
     loud = [layer for layer in report["layers"] if layer["name"] == "loud" and layer["kind"] == "output"]
     assert loud and loud[0]["amax"] > 65504 and loud[0]["headroom_log2"] > 100  # judged in fp32
     assert not any("`loud`" in a for a in report["recommendation"]["advice"])
+
+
+class Indexed(torch.nn.Module):
+    """An ``nn.Sequential`` (children named ``mlp.0``, ``mlp.1``, ``mlp.2``) and a named head."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.mlp(x))
+
+
+def test_layers_named_by_an_index_show_their_module_type(tmp_path):
+    path = tmp_path / "indexed.parquet"
+    train_recorded(path, steps=6, level="full", model_factory=Indexed)
+    report = contract(report_data(path))
+    types = {(layer["name"], layer["kind"]): layer["module_type"] for layer in report["layers"]}
+    assert types[("mlp.0.weight", "param_grad")] == types[("mlp.2.bias", "param_grad")] == "Linear"
+    assert types[("mlp.1", "output")] == types[("mlp.1", "grad_output")] == "Tanh"
+    assert types[("mlp.2", "output")] == "Linear"
+    # A name that says what it is keeps no type.
+    assert types[("head.weight", "param_grad")] is None and types[("head", "output")] is None
+    listed = layers_data(path, "headroom")["layers"]
+    assert {(layer["name"], layer["kind"]): layer["module_type"] for layer in listed} == types
+    runner = CliRunner()
+    text = runner.invoke(main, ["report", str(path), "--top", "100"]).output
+    assert "mlp.0.weight (Linear)" in text and "mlp.1 (Tanh)" in text and "head.weight (" not in text
+    md = runner.invoke(main, ["layers", str(path), "--format", "md"]).output
+    assert "| `mlp.2.bias (Linear)` | `param_grad` |" in md
+    html = runner.invoke(main, ["report", str(path), "--format", "html"]).output
+    assert "<code>mlp.2.bias</code> (Linear)" in html
+
+
+def test_runs_without_module_types_show_the_names_as_they_are(tmp_path):
+    """A run whose metadata has no ``model.module_types`` (older runs; a scaler made without
+    ``model=``), or one that is not a JSON object: the names alone, as before."""
+    import pyarrow.parquet as pq
+    from types import SimpleNamespace
+
+    from ampdoctor.analysis.layers import module_types
+    from ampdoctor.schema import META_MODULE_TYPES
+
+    path = tmp_path / "older.parquet"
+    train_recorded(path, steps=4, model_factory=Indexed)
+    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    for segment in files:  # as a run written before the key existed
+        table = pq.read_table(segment)
+        meta = {k: v for k, v in table.schema.metadata.items() if k.decode() != META_MODULE_TYPES}
+        pq.write_table(table.replace_schema_metadata(meta), segment)
+    layers = contract(report_data(path))["layers"]
+    assert {layer["name"] for layer in layers} >= {"mlp.0.weight", "mlp.2.bias"}
+    assert all(layer["module_type"] is None for layer in layers)
+    text = CliRunner().invoke(main, ["layers", str(path)]).output
+    assert "mlp.0.weight " in text and "(Linear)" not in text
+    for bad in ("not json", "[1, 2]", '{"mlp.0": 3}'):
+        assert module_types(SimpleNamespace(metadata={"model.module_types": bad})) == {}

@@ -165,20 +165,21 @@ def test_text_columns_cut_long_names_from_the_left():
 def test_markdown_and_html_lay_out_the_same_sections_in_order():
     report = make_sparse_report()
     md, page = report_markdown(report), html_text(report_html(report))
-    expected = [s.title for s in (sections.RUN, sections.SCALE, sections.LAYERS, sections.ORIGINS,
-                                  sections.RECOMMENDATION, sections.WARNINGS, sections.NOT_AVAILABLE)]
+    # The answer first (the recommendation, then its advice), then the evidence.
+    expected = [s.title for s in (sections.RECOMMENDATION, sections.ADVICE, sections.SCALE, sections.LAYERS,
+                                  sections.ORIGINS, sections.RUN, sections.WARNINGS, sections.NOT_AVAILABLE)]
     assert re.findall(r"^## (.+)$", md, re.M) == expected
     assert re.findall(r"<h2>(.+?)</h2>", page) == expected
-    assert re.findall(r'<section id="([^"]+)">', page) == ["run", "scale", "layers", "overflow-origins",
-                                                           "recommendation", "warnings", "not-available"]
+    assert re.findall(r'<section id="([^"]+)">', page) == ["recommendation", "advice", "scale", "layers",
+                                                           "overflow-origins", "run", "warnings", "not-available"]
 
 
 # --- Markdown ------------------------------------------------------------------------------------------
 
 def test_report_markdown_sections_and_tables():
     md = report_markdown(make_report())
-    for heading in ("# ampdoctor report", "## Run", "## Loss scale", "## Layers", "## Overflow origins",
-                    "## Recommendation", "### Reasons", "### Advice", "## Warnings"):
+    for heading in ("# ampdoctor report", "## Run details", "## Loss scale", "## Layers", "## Overflow origins",
+                    "## Recommendation", "### Reasons", "## Advice", "## Warnings"):
         assert re.search(rf"^{re.escape(heading)}$", md, re.M), heading
     assert_tables_consistent(md)
     assert "2\\*\\*16 at the start, 2\\*\\*15 at the end" in md  # "**" escaped: no bold
@@ -251,9 +252,10 @@ def test_report_html_sections():
     for sid in ("run", "scale", "layers", "overflow-origins", "recommendation", "warnings"):
         assert f'<section id="{sid}">' in page
     text = html_text(page)
-    assert '<pre><code class="language-python">torch.amp.GradScaler("cuda", init_scale=2**12, ' \
+    assert '<pre class="scaler-code"><code class="language-python">torch.amp.GradScaler("cuda", init_scale=2**12, ' \
            "growth_interval=500)</code></pre>" in text
-    assert "Change the scaler settings." in text and "<h3>Reasons</h3>" in text and "<h3>Advice</h3>" in text
+    assert "Change the scaler settings." in text and "<h3>Reasons</h3>" in text
+    assert '<section id="advice">\n<h2>Advice</h2>' in text
     assert "rank 1 has no rows" in text and "12.3%" in text and "2**15" in text
 
 

@@ -1,5 +1,5 @@
 """Findings and their wording: the analyses return data (:class:`~ampdoctor.analysis.findings.Finding`),
-every sentence is in ``render/wording.py``, and :func:`ampdoctor.render.contract` words a command's
+every sentence is in ``render/wording/``, and :func:`ampdoctor.render.contract` words a command's
 data into its JSON contract."""
 
 from __future__ import annotations

@@ -10,13 +10,25 @@ RANGE_TOLERANCE = 1e-4  # an underflow range narrower than this (absolute) is re
 
 def finite_or_none(value) -> float | None:
     """A float, or None for a missing (None, a pandas NA) or non-finite value."""
+    value = _recorded(value)
+    return value if value is not None and math.isfinite(value) else None
+
+
+def float_or_nonfinite(value) -> float | str | None:
+    """A float, or ``"nan"`` / ``"inf"`` / ``"-inf"`` for a non-finite one (JSON has no NaN, and a
+    timeline must say which non-finite value a loss was); None for a missing one."""
+    value = _recorded(value)
+    return value if value is None or math.isfinite(value) else str(value)
+
+
+def _recorded(value) -> float | None:
+    """``value`` as a float; None when it was not recorded (None, a pandas NA)."""
     if value is None:
         return None
     try:
-        value = float(value)
-    except TypeError:  # pd.NA: not recorded
+        return float(value)
+    except TypeError:  # pd.NA
         return None
-    return value if math.isfinite(value) else None
 
 
 def underflow_point(low: float, high: float) -> float | None:

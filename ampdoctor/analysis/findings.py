@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass(frozen=True)
+@dataclass
 class Finding:
-    code: str                                            # which sentence (render/wording.py)
+    code: str                                            # which sentence (render/wording/)
     values: dict[str, Any] = field(default_factory=dict)  # what it says, as raw numbers and names

@@ -35,6 +35,10 @@ from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds
 LAYER_KINDS = ("param_grad", "grad_output", "output")
 HEATMAP_BUCKETS = 200  # step columns of the heatmap at most
 LOW_QUANTILE = 0.10    # the heatmap's "low" magnitude: this quantile of the nonzero elements
+# A heatmap cell whose rows were all zeros (amax 0: every element flushed): below the log2 of any
+# magnitude, so any nonzero row of the bucket wins the max, and above "no row" (-inf); -inf in the
+# LayerScan's heatmap. The low panel is min-reduced: there the sentinel is -_ALL_ZERO.
+_ALL_ZERO = -1e300
 
 STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
                 "n_nan", "n_inf", "hist", "n_zero_lines"]
@@ -90,6 +94,15 @@ def _dictionary(column: pa.Array) -> tuple[list[str], np.ndarray]:
     if not isinstance(column, pa.DictionaryArray):
         column = column.dictionary_encode()
     return [str(v) for v in column.dictionary.to_pylist()], column.indices.to_numpy(zero_copy_only=False)
+
+
+def scan_step_rows(rows: pa.RecordBatch, amp: FloatFormat, *, min_exp: int, bins: int, step: int) -> pd.DataFrame:
+    """The per-layer aggregates (the ``layers`` of :class:`LayerScan`) of one step's rows alone:
+    the same estimates the run's scan makes, for a consumer that wants them step by step (the
+    TensorBoard export)."""
+    acc = _Accumulator(1, 1)
+    acc.add(rows, amp, min_exp, bins, step, 1)
+    return acc.result(step, 1).layers
 
 
 class _Accumulator:
@@ -192,10 +205,11 @@ class _Accumulator:
             upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
             headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
             high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
-                            -np.inf)
+                            np.where(usable & (amax == 0), _ALL_ZERO, -np.inf))
             # A gradient that overflowed is drawn one binade above the format's max.
             high = np.where(nonfinite, np.log2(fmax) + 1.0, high)
             low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
+            low = np.where(full & usable & (amax == 0), -_ALL_ZERO, low)
         finite_amax = np.where(usable, amax, -np.inf)
         n = len(self.ids)
         for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
@@ -251,7 +265,7 @@ class _Accumulator:
                                         "nonfinite": sums[_NONFINITE][outputs].astype(int),
                                         "dtype": [self.dtypes[i] for i in outputs]},
                                        index=[keys[i][0] for i in outputs])
-        heat = {name: (_inf_to_nan(self.high[i]), _inf_to_nan(self.low[i]))
+        heat = {name: (_heat(self.high[i], _ALL_ZERO), _heat(self.low[i], -_ALL_ZERO))
                 for i, (name, kind) in enumerate(keys) if kind == "param_grad"}
         return LayerScan(layers, param_lost, module_peak, activation_peak,
                          first_step + width * np.arange(self.columns), heat)
@@ -264,6 +278,12 @@ def _step_range_from_data(run: Run) -> tuple[int, int]:
         return 0, 0
     lo_hi = pc.min_max(steps)
     return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
+
+
+def _heat(values: np.ndarray, all_zero: float) -> np.ndarray:
+    """A heatmap row: NaN where no row was seen, -inf where every row seen was all zeros (the
+    ``all_zero`` sentinel), else the value."""
+    return np.where(values == all_zero, -np.inf, _inf_to_nan(values))
 
 
 def _inf_to_nan(values: np.ndarray) -> np.ndarray:

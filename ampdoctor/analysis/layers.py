@@ -3,11 +3,13 @@ sorted and cut (:func:`layers_data`); the same rows are the ``layers`` of the re
 
 from __future__ import annotations
 
+import json
 import os
 
 import pandas as pd
 
 from ..run import Run
+from ..schema import META_MODULE_TYPES
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .run_analysis import analyse
@@ -23,7 +25,7 @@ def layers_data(run: Run | str | os.PathLike, sort: str = "underflow", top: int 
     layers = sort_layers(a.scan.layers, sort)
     if top is not None:
         layers = layers.head(top)
-    return {"sort": sort, "layers": layer_records(layers), "missing": None}
+    return {"sort": sort, "layers": layer_records(layers, module_types(a.run)), "missing": None}
 
 
 def sort_layers(layers: pd.DataFrame, by: str = "underflow") -> pd.DataFrame:
@@ -42,11 +44,35 @@ def sort_layers(layers: pd.DataFrame, by: str = "underflow") -> pd.DataFrame:
     return out.drop(columns=["_key"], errors="ignore")
 
 
-def layer_records(layers: pd.DataFrame) -> list[dict]:
-    """The ``layers`` entries of the JSON contract."""
+def module_types(run: Run) -> dict[str, str]:
+    """{module name: class name} from the run's ``model.module_types`` metadata (the modules whose
+    name ends in an index); empty for runs without it, or with a value that is not such an object
+    (the names then show as they are)."""
+    try:
+        types = json.loads(run.metadata.get(META_MODULE_TYPES) or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(types, dict):
+        return {}
+    return {str(k): str(v) for k, v in types.items() if isinstance(v, str)}
+
+
+def module_type(name: str, kind: str, types: dict[str, str]) -> str | None:
+    """The class of a layer's module where that module's name is only an index (``mlp.2`` of an
+    ``nn.Sequential``; ``0`` of ``0.weight``), else None: a name such as ``attn.proj`` says enough."""
+    module = name if kind != "param_grad" else name.rpartition(".")[0]
+    if not module or not module.rpartition(".")[2].isdigit():
+        return None
+    return types.get(module)
+
+
+def layer_records(layers: pd.DataFrame, types: dict[str, str] | None = None) -> list[dict]:
+    """The ``layers`` entries of the JSON contract; ``types``: :func:`module_types`."""
+    types = types or {}
     out = []
     for r in layers.itertuples(index=False):
-        out.append({"name": r.name, "kind": r.kind, "underflow_rate": finite_or_none(r.underflow_rate),
+        out.append({"name": r.name, "kind": r.kind, "module_type": module_type(r.name, r.kind, types),
+                    "underflow_rate": finite_or_none(r.underflow_rate),
                     "underflow_rate_max": finite_or_none(r.underflow_rate_max),
                     "zero_rate": finite_or_none(r.zero_rate), "subnormal_rate": finite_or_none(r.subnormal_rate),
                     "headroom_log2": finite_or_none(r.headroom_log2), "amax": finite_or_none(r.amax),

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import ROOT_NAME
+from ..schema import MODULE_KINDS, ROOT_NAME
 from ..run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
@@ -110,7 +110,7 @@ def _step_origins(step: int, rank: int, rows: pd.DataFrame) -> StepOrigins:
     step_row = rows[rows["kind"] == "step"]
     skipped = bool(step_row["skipped"].iloc[0]) if len(step_row) else False
     loss = _float(step_row["loss"].iloc[0]) if len(step_row) else None
-    modules = rows[rows["kind"].isin(["output", "grad_output"])]
+    modules = rows[rows["kind"].isin(MODULE_KINDS)]
     detail = None
     if len(modules):
         detail = "light" if modules["n_nan"].isna().all() else "full"

@@ -10,14 +10,14 @@ lost :data:`NOTE_UNDERFLOW_RATE` of its gradient elements to underflow, its advi
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 import pandas as pd
 
 from ..run import Run, to_frame
-from .contract_fields import finite_or_none
+from ..schema import MODULE_KINDS
+from .contract_fields import finite_or_none, float_or_nonfinite
 from .findings import Finding
 from .nonfinite_cause import classify
 from .nonfinite_event import Event, first_event
@@ -35,7 +35,6 @@ TIMELINE_STEPS = 10          # steps before the event in the timeline
 NOTE_SKIPPED_FRACTION = 0.05
 NOTE_UNDERFLOW_RATE = 0.01
 
-MODULE_KINDS = ["output", "grad_output"]  # the rows of module taps
 
 
 def postmortem_data(run: Run | str | os.PathLike) -> dict:
@@ -56,13 +55,13 @@ def postmortem_data(run: Run | str | os.PathLike) -> dict:
                 "run": run_info}
     rows = rows_at(a.run, [event.step])
     diagnosis = classify(a, steps, params, event, rows, notes)
-    detailed = bool(rows["kind"].isin(MODULE_KINDS).any())
+    has_module_rows = bool(rows["kind"].isin(MODULE_KINDS).any())
     return {"status": "nonfinite", "first_nonfinite_step": event.step, "cause": diagnosis.cause,
             "origin": diagnosis.origin,
             "event": {"step": event.step, "rank": event.rank, "kind": event.kind,
                       "description": event.description},
             "evidence": diagnosis.evidence, "timeline": _timeline(a, steps, event),
-            "advice": advice(diagnosis.cause, diagnosis.origin, diagnosis.evidence, detailed=detailed,
+            "advice": advice(diagnosis.cause, diagnosis.origin, diagnosis.evidence, has_module_rows=has_module_rows,
                              recorded_full=a.recorded_full, path=str(a.run.path)),
             "notes": notes, "run": run_info}
 
@@ -114,8 +113,8 @@ def _timeline(a: Analysis, steps: pd.DataFrame, event: Event) -> list[dict]:
     for r in window.itertuples(index=False):
         module, value = peaks.get(int(r.step), (None, None))
         out.append({"step": int(r.step), "scale": float(r.scale), "skipped": bool(r.skipped),
-                    "loss": _value(r.loss_value) if r.loss_recorded else None,
-                    "grad_norm": "non-finite" if r.grads_bad else _value(r.l2),
+                    "loss": float_or_nonfinite(r.loss_value) if r.loss_recorded else None,
+                    "grad_norm": "non-finite" if r.grads_bad else float_or_nonfinite(r.l2),
                     "grad_amax": finite_or_none(r.amax), "max_activation": value, "max_activation_module": module})
     return out
 
@@ -137,11 +136,3 @@ def _activation_peaks(run: Run, steps: list[int], rank: int) -> dict[int, tuple[
             i = amax.idxmax()
             out[int(step)] = (str(rows.loc[i, "name"]), float(amax[i]))
     return out
-
-
-def _value(value) -> float | str | None:
-    """A float, or "nan" / "inf" / "-inf" for a non-finite one (JSON has no NaN)."""
-    if value is None or value is pd.NA:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else str(value)

@@ -7,9 +7,9 @@ from .findings import Finding
 from .nonfinite_event import BY_OPTIMIZER_OR_OUTSIDE, BY_OUTSIDE
 
 
-def advice(cause: str, origin: dict | None, evidence: dict, *, detailed: bool, recorded_full: bool,
+def advice(cause: str, origin: dict | None, evidence: dict, *, has_module_rows: bool, recorded_full: bool,
            path: str) -> list[Finding]:
-    """What to change, most likely first. ``detailed``: the event's step has module rows (so
+    """What to change, most likely first. ``has_module_rows``: the event's step has module rows (so
     recording more would not tell more); ``recorded_full``: the run was recorded at level='full';
     ``path``: the run's, for a command to paste."""
     name = origin.get("name") if origin else None
@@ -45,7 +45,7 @@ def advice(cause: str, origin: dict | None, evidence: dict, *, detailed: bool, r
         out += [Finding("nonfinite_before_first_step", {"name": name, "first": origin["step"],
                                                         "others": evidence.get("nonfinite_parameters", 0) - 1}),
                 Finding("load_an_earlier_checkpoint"), Finding("fix_the_initialisation")]
-    elif detailed:
+    elif has_module_rows:
         # Module rows were recorded at the event: recording more would not tell more.
         step = origin["step"] if origin else None
         out += [Finding("nonfinite_gradients_applied", {"step": step, "name": name}) if name else

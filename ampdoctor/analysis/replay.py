@@ -23,7 +23,7 @@ so T is calibrated in ``amax · S`` units from what the run did:
   the lower bound bounds T from above, and T is the geometric middle of the two bounds;
 * with no overflow to learn from (or a bf16/fp32 run asked about fp16), T is the format's max
   divided by the largest ratio of module output gradients to parameter gradients seen on the
-  detailed steps (1 without module rows, which the result says).
+  sampled steps (1 without module rows, which the result says).
 
 A skipped step that T cannot explain (its neighbours' magnitudes would not have overflowed: a
 gradient spike, or a non-finite value that is not an overflow) is kept at its lower bound: it

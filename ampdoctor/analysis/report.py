@@ -18,7 +18,7 @@ import pyarrow as pa
 from ..run import Run
 from ..schema import SCALER_META, META_DEVICE, META_SCALER_CLASS, meta_number
 from .findings import Finding
-from .layers import layer_records, sort_layers
+from .layers import layer_records, module_type, module_types, sort_layers
 from .origins import origin_counts
 from .recommend import recommend
 from .replay import actual_outcome
@@ -29,9 +29,10 @@ MAX_ORIGIN_STEPS = 2000   # anomalous steps whose rows are read for the origins 
 HEATMAP_LAYERS = 40
 
 
-def report_data(run: Run | str | os.PathLike) -> dict:
-    """``ampdoctor report``'s data (the contract, plus ``charts``)."""
-    a = analyse(run)
+def report_data(run: Run | str | os.PathLike | Analysis) -> dict:
+    """``ampdoctor report``'s data (the contract, plus ``charts``); from a run, or from its
+    :class:`Analysis` when the caller has one (``compare``)."""
+    a = run if isinstance(run, Analysis) else analyse(run)
     warnings = list(a.warnings)
     missing: dict[str, Finding] = {}
     if not a.run.ended_cleanly:
@@ -63,7 +64,7 @@ def report_data(run: Run | str | os.PathLike) -> dict:
     return {
         "run": _run_info(a),
         "scale": scale,
-        "layers": layer_records(layers),
+        "layers": layer_records(layers, module_types(a.run)),
         "overflow_origins": origins,
         "recommendation": recommendation,
         "warnings": warnings,
@@ -166,7 +167,9 @@ def _charts(a: Analysis, layers: pd.DataFrame) -> dict:
     names = [n for n in layers.loc[layers["kind"] == "param_grad", "name"] if n in a.scan.heatmap][:HEATMAP_LAYERS] \
         if len(layers) else []
     if names:
-        heatmap = {"names": names, "steps": [int(x) for x in a.scan.heatmap_steps],
+        types = module_types(a.run)
+        heatmap = {"names": names, "types": [module_type(n, "param_grad", types) for n in names],
+                   "steps": [int(x) for x in a.scan.heatmap_steps],
                    "high": [_floats(a.scan.heatmap[n][0]) for n in names],
                    "low": [_floats(a.scan.heatmap[n][1]) for n in names]}
     return {"steps": [int(x) for x in s.steps], "scale": [float(x) for x in s.scale],
@@ -178,4 +181,6 @@ def _charts(a: Analysis, layers: pd.DataFrame) -> dict:
 
 
 def _floats(values: np.ndarray) -> list[float | None]:
-    return [float(v) if np.isfinite(v) else None for v in values]
+    """A heatmap row: None where nothing was recorded; -inf (log2 of 0) where every element was
+    zero, which the chart draws as flushed to zero."""
+    return [float(v) if np.isfinite(v) or v == -np.inf else None for v in values]

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from ..formats import FLOAT16, FloatFormat, float_format
 from ..run import Run, read_run
 from ..schema import (HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE, META_DEVICE, META_HIST_BINS, META_HIST_MIN_EXP,
-                      META_LEVEL, META_SCALER_ENABLED, meta_number)
+                      META_LEVEL, META_SCALER_ENABLED, MODULE_KINDS, meta_number)
 from .findings import Finding
 from .layer_scan import LayerScan, scan_layers
 from .replay import Replay, prepare
@@ -38,7 +38,14 @@ class Analysis:
     prepared: Replay | None    # None without step rows
     current: ScalerConfig | None  # None without loss scaling (a disabled scaler, bf16, fp32)
     level: str
-    warnings: list[str | Finding] = field(default_factory=list)  # the run's, then the analysis's
+    own_warnings: list[Finding] = field(default_factory=list)  # the analysis's, not the run's
+
+    @property
+    def warnings(self) -> list[str | Finding]:
+        """The run's warnings, then the analysis's. The run's are read live: a command that reads
+        more rows after :func:`analyse` (simulate's per-layer rows, the postmortem's) may find a
+        damaged segment, which the run then warns about."""
+        return [*self.run.warnings, *self.own_warnings]
 
     @property
     def device(self) -> str:
@@ -59,9 +66,8 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     min_exp = _meta_int(meta, META_HIST_MIN_EXP, HIST_MIN_EXP)
     bins = _meta_int(meta, META_HIST_BINS, HIST_BINS)
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)
-    # After the scan: reading the rows may find a damaged segment, which the run warns about.
-    warnings: list[str | Finding] = list(run.warnings)
-    scan.step_rows = _with_valid_scale(scan.step_rows, warnings)
+    own_warnings: list[Finding] = []
+    scan.step_rows = _with_valid_scale(scan.step_rows, own_warnings)
     series = load_steps(scan.step_rows, amp, min_exp, bins)
     attach_param_lost(series, scan.param_lost)
     # fp16 is the format a scaler is for: a bf16/fp32 run is asked whether fp16 would work.
@@ -72,9 +78,9 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     prepared = prepare(series, target, module_ratio=_module_ratio(series, scan)) if len(series) else None
     # The level the run was recorded at; older runs without it: inferred from the rows (module rows
     # of escalated steps then read as "full").
-    level = meta.get(META_LEVEL) or ("full" if scan.layers["kind"].isin(["output", "grad_output"]).any() else (
+    level = meta.get(META_LEVEL) or ("full" if scan.layers["kind"].isin(MODULE_KINDS).any() else (
         "params" if len(scan.layers) else "steps"))
-    return Analysis(run, amp, target, series, scan, prepared, current, level, warnings)
+    return Analysis(run, amp, target, series, scan, prepared, current, level, own_warnings)
 
 
 def _meta_int(meta: dict[str, str], key: str, default: int) -> int:

@@ -63,6 +63,17 @@ def layers(data: dict, fmt: str) -> str:
                                  "md": markdown.layers_markdown})(_with_sentences(data))
 
 
+def comparison(data: dict, fmt: str, *, color: bool = False, top: int = 15) -> str:
+    """``ampdoctor compare`` (named apart from the command: ``render.compare`` is its renderers'
+    module, which importing it would bind in this package's namespace in place of the function)."""
+    from . import compare
+
+    data = _with_sentences(data)
+    if fmt == "text":
+        return compare.compare_text(data, color=color, top=top)
+    return _pick("compare", fmt, {"json": to_json, "md": compare.compare_markdown, "html": compare.compare_html})(data)
+
+
 def postmortem(data: dict, fmt: str, *, color: bool = False) -> str:
     data = _with_sentences(data)
     if fmt == "text":

@@ -37,6 +37,9 @@ figure{margin:1.2em 0}figure svg{max-width:100%;height:auto}figcaption{color:#55
 .verdict.keep{background:#e6f4ea}.verdict.change{background:#e8f0fe}
 .verdict.no_scale_works{background:#fce8e6}
 .warnings li{color:#8a4b00}
+.subtitle{color:#555;margin-top:0}
+pre.scaler-code{font-size:1.05em;background:#eef3fd;border-left:4px solid #4a7bd0}
+.tables{display:flex;flex-wrap:wrap;gap:0 2.5em;align-items:flex-start}
 """
 
 
@@ -91,8 +94,9 @@ def _dl(items: Iterable[tuple[str, str]]) -> str:
     return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
 
 
-def _page(title: str, path: str, parts: Sequence[tuple[str, str, str]]) -> str:
-    """One self-contained page of ``(id, heading, content)`` sections; contents must already be escaped."""
+def _page(title: str, path: str, parts: Sequence[tuple[str, str, str]], summary: str = "") -> str:
+    """One self-contained page of ``(id, heading, content)`` sections; contents must already be
+    escaped. ``summary`` (text) follows the path, on the same line."""
     body = "\n".join(f'<section id="{sid}">\n<h2>{heading}</h2>\n{content}\n</section>'
                      for sid, heading, content in parts)
     return (
@@ -100,7 +104,8 @@ def _page(title: str, path: str, parts: Sequence[tuple[str, str, str]]) -> str:
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         f"<title>{_e(title)}: {_e(path)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n"
-        f"<h1>{_e(title)}</h1>\n<p><code>{_e(path)}</code></p>\n{body}\n</main>\n</body>\n</html>\n"
+        f"<h1>{_e(title)}</h1>\n<p class=\"subtitle\"><code>{_e(path)}</code>"
+        + (f" · {_e(summary)}" if summary else "") + f"</p>\n{body}\n</main>\n</body>\n</html>\n"
     )
 
 
@@ -122,8 +127,9 @@ def _report_charts(report: dict) -> dict[str, str]:
         "scale": "Loss scale per step (log2 axis); red crosses are skipped steps.",
         "heatmap": f"log2 of the scaled gradient magnitude per layer and step bucket. Red: beyond "
                    f"{fmt_name}'s max (overflows to inf); magenta: below half its smallest subnormal "
-                   f"(flushes to 0); grey: not recorded.",
-        "underflow": f"Underflow rate per layer (the {charts.BAR_ROWS} highest).",
+                   f"(flushes to 0); black: every element was zero (flushed to zero); grey: not recorded.",
+        "underflow": "Underflow rate per layer, highest first; the paler bar is the upper bound where "
+                     "some zeros cannot be called underflow or structure.",
         "headroom": f"Headroom per layer in binades (the {charts.BAR_ROWS} smallest); negative overflows.",
     }
     try:
@@ -175,12 +181,18 @@ def _scale_section(scale: dict | None, missing: dict, chart: str) -> str:
 
 
 def _layer_rows(layers: Sequence[dict]) -> list[list[str]]:
-    return [[str(i), f"<code>{_e(layer.get('name', ''))}</code>", _e(layer.get("kind", "")),
+    return [[str(i), _layer_name(layer), _e(layer.get("kind", "")),
              _e(percent(layer.get("underflow_rate"))), _e(percent(layer.get("zero_rate"))),
              _e(percent(layer.get("subnormal_rate"))), _e(binades(layer.get("headroom_log2"))),
              _e(number(layer.get("amax"))), _e(number(layer.get("amin"))),
              _e(layer.get("observations", "—"))]
             for i, layer in enumerate(layers, 1)]
+
+
+def _layer_name(layer: dict) -> str:
+    """The layer's name as code, and its module's class after it where the name is only an index."""
+    module_type = layer.get("module_type")
+    return f"<code>{_e(layer.get('name', ''))}</code>" + (f" ({_e(module_type)})" if module_type else "")
 
 
 def _layers_section(layers: Sequence[dict], missing: dict, chart_html: dict[str, str]) -> str:
@@ -214,6 +226,8 @@ def _escaped(rows: Iterable[Sequence[str]]) -> list[list[str]]:
 
 
 def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> str:
+    """The answer, first on the page: the verdict, the line to paste, what it changes on this run
+    (skipped steps and underflow, current and predicted), the settings, and the reasons."""
     parts = [_note(sections.missing_note(missing, sections.RECOMMENDATION))]
     if rec:
         verdict = rec.get("verdict")
@@ -221,40 +235,49 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> s
         text = VERDICTS.get(verdict, verdict or "No verdict.")
         parts.append(f'<p class="verdict {_attr(verdict or "")}">{_e(text)}'
                      + (f" (target format {_e(target)})" if target else "") + "</p>")
-        parts.append(_table(sections.SETTINGS_HEADERS, _escaped(sections.settings_rows(current, rec)), num=(1, 2)))
-        parts.append(_table(sections.OUTCOME_HEADERS, _escaped(sections.outcome_rows(rec)), num=(1, 2)))
         if rec.get("code"):
-            parts.append(f'<pre><code class="language-python">{_e(rec["code"])}</code></pre>')
-        for title, key in (("Reasons", "reasons"), ("Advice", "advice")):
-            if rec.get(key):
-                parts.append(f"<h3>{title}</h3>\n{_bullets(rec[key])}")
+            parts.append(f'<pre class="scaler-code"><code class="language-python">{_e(rec["code"])}</code></pre>')
+        parts.append('<div class="tables">'
+                     + _table(sections.OUTCOME_HEADERS, _escaped(sections.outcome_rows(rec)), num=(1, 2))
+                     + _table(sections.SETTINGS_HEADERS, _escaped(sections.settings_rows(current, rec)), num=(1, 2))
+                     + "</div>")
+        if rec.get("reasons"):
+            parts.append(f"<h3>Reasons</h3>\n{_bullets(rec['reasons'])}")
     parts.append(_placeholder(sections.RECOMMENDATION, bool(rec), missing))
     return "\n".join(p for p in parts if p)
 
 
+def _advice_section(rec: dict | None) -> str:
+    advice = (rec or {}).get("advice")
+    return _bullets(advice) if advice else f"<p>{sections.ADVICE.empty}</p>"
+
+
 def report_html(report: dict) -> str:
-    """``ampdoctor report --format html``: the report's sections and its charts (loss scale, gradient
-    magnitude heatmap, underflow and headroom per layer) in one self-contained HTML5 page."""
+    """``ampdoctor report --format html``: the recommendation and its advice first, then the evidence
+    (loss scale, layers with the heatmap and the per-layer charts, overflow origins, run details,
+    warnings), in one self-contained HTML5 page."""
     run = report.get("run") or {}
     missing = report.get("missing") or {}
     chart_html = _report_charts(report)
     warnings = report.get("warnings")
-    parts = [
-        (sections.RUN, _run_section(run)),
-        (sections.SCALE, _scale_section(report.get("scale"), missing, chart_html["scale"])),
-        (sections.LAYERS, _layers_section(report.get("layers") or [], missing, chart_html)),
-        (sections.ORIGINS, _origins_section(report.get("overflow_origins") or [], missing)),
-        (sections.RECOMMENDATION,
-         _recommendation_section(report.get("recommendation"), run.get("scaler") or {}, missing)),
-        (sections.WARNINGS,
-         _bullets(warnings, "warnings") if warnings else f"<p>{sections.WARNINGS.empty}</p>"),
-    ]
+    rec = report.get("recommendation")
+    content = {
+        sections.RECOMMENDATION: _recommendation_section(rec, run.get("scaler") or {}, missing),
+        sections.ADVICE: _advice_section(rec),
+        sections.SCALE: _scale_section(report.get("scale"), missing, chart_html["scale"]),
+        sections.LAYERS: _layers_section(report.get("layers") or [], missing, chart_html),
+        sections.ORIGINS: _origins_section(report.get("overflow_origins") or [], missing),
+        sections.RUN: _run_section(run),
+        sections.WARNINGS: _bullets(warnings, "warnings") if warnings else f"<p>{sections.WARNINGS.empty}</p>",
+    }
+    parts = [(section, content[section]) for section in sections.REPORT_ORDER]
     other = sections.unplaced_notes(missing)
     if other:
         parts.append((sections.NOT_AVAILABLE,
                       _dl((str(k), f'<span class="missing">{_e(v)}</span>') for k, v in other.items())))
     return _page("ampdoctor report", run.get("path", ""),
-                 [(section.anchor, section.title, content) for section, content in parts])
+                 [(section.anchor, section.title, content) for section, content in parts],
+                 summary=sections.run_summary(run) if run else "")
 
 
 # --- the postmortem -------------------------------------------------------------------------------
@@ -281,8 +304,8 @@ def postmortem_html(pm: dict) -> str:
             for r in timeline]
     try:
         chart = _figure(charts.timeline_figure(timeline), "timeline", "timeline chart",
-                        "Loss, gradient norm and loss scale before the event (log2 axis); red lines: "
-                        "skipped steps, thick: a non-finite loss.")
+                        "Loss, gradient norm and loss scale before the event, each on its own axis; red "
+                        "lines: skipped steps, thick: a non-finite loss.")
     except ImportError:
         chart = '<p class="nodata">Charts need matplotlib, which is not installed.</p>'
     parts = [

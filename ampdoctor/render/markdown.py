@@ -104,7 +104,7 @@ def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
 def _layer_table(layers: Sequence[dict]) -> list[str]:
     headers = ["#", "layer", "kind", "underflow", "at most", "zeros", "subnormal", "headroom (binades)",
                "amax", "amin", "observations"]
-    rows = [[i, layer.get("name", ""), layer.get("kind", ""), percent(layer.get("underflow_rate")),
+    rows = [[i, sections.layer_label(layer), layer.get("kind", ""), percent(layer.get("underflow_rate")),
              percent(layer.get("underflow_rate_max")),
              percent(layer.get("zero_rate")), percent(layer.get("subnormal_rate")),
              binades(layer.get("headroom_log2")),
@@ -159,39 +159,46 @@ def _origins_section(origins: Sequence[dict], missing: dict) -> list[str]:
 
 
 def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> list[str]:
+    """The answer, first: the verdict, the line to paste, what it changes on this run, the settings,
+    the reasons (the advice follows in a section of its own)."""
     lines = []
     if rec:
         verdict, target = rec.get("verdict"), rec.get("target_dtype")
         lines += [f"**{_inline(VERDICTS.get(verdict, verdict or 'No verdict.'))}**"
                   + (f" (target format {_inline(target)})" if target else ""), ""]
-        lines += _table(sections.SETTINGS_HEADERS, sections.settings_rows(current, rec), right=(1, 2), code=(0,))
-        lines += [""] + _table(sections.OUTCOME_HEADERS, sections.outcome_rows(rec), right=(1, 2))
         if rec.get("code"):
-            lines += [""] + _fence(rec["code"], "python")
-        for title, key in (("Reasons", "reasons"), ("Advice", "advice")):
-            if rec.get(key):
-                lines += ["", f"### {title}", ""] + _bullets(rec[key])
+            lines += _fence(rec["code"], "python") + [""]
+        lines += _table(sections.OUTCOME_HEADERS, sections.outcome_rows(rec), right=(1, 2))
+        lines += [""] + _table(sections.SETTINGS_HEADERS, sections.settings_rows(current, rec), right=(1, 2),
+                               code=(0,))
+        if rec.get("reasons"):
+            lines += ["", "### Reasons", ""] + _bullets(rec["reasons"])
     return lines + _unless_data(sections.RECOMMENDATION, bool(rec), missing)
 
 
 def report_markdown(report: dict) -> str:
-    """``ampdoctor report --format markdown``: run, loss scale, layers (the first 50), overflow
-    origins, recommendation, warnings, and why any section is missing."""
+    """``ampdoctor report --format md``: the recommendation and its advice first, then the evidence:
+    loss scale, layers (the first 50), overflow origins, run details, warnings, and why any section
+    is missing."""
     run = report.get("run") or {}
     missing = report.get("missing") or {}
-    parts = [
-        (sections.RUN, _run_section(run)),
-        (sections.SCALE, _scale_section(report.get("scale"), missing)),
-        (sections.LAYERS, _layers_section(report.get("layers") or [], missing)),
-        (sections.ORIGINS, _origins_section(report.get("overflow_origins") or [], missing)),
-        (sections.RECOMMENDATION,
-         _recommendation_section(report.get("recommendation"), run.get("scaler") or {}, missing)),
-        (sections.WARNINGS, _bullets(report.get("warnings") or []) or [sections.WARNINGS.empty]),
-    ]
+    rec = report.get("recommendation")
+    content = {
+        sections.RECOMMENDATION: _recommendation_section(rec, run.get("scaler") or {}, missing),
+        sections.ADVICE: _bullets((rec or {}).get("advice") or []) or [sections.ADVICE.empty],
+        sections.SCALE: _scale_section(report.get("scale"), missing),
+        sections.LAYERS: _layers_section(report.get("layers") or [], missing),
+        sections.ORIGINS: _origins_section(report.get("overflow_origins") or [], missing),
+        sections.RUN: _run_section(run),
+        sections.WARNINGS: _bullets(report.get("warnings") or []) or [sections.WARNINGS.empty],
+    }
+    parts = [(section, content[section]) for section in sections.REPORT_ORDER]
     other = sections.unplaced_notes(missing)
     if other:
         parts.append((sections.NOT_AVAILABLE, [_field(_inline(k), v) for k, v in other.items()]))
-    lines = ["# ampdoctor report"]
+    lines = ["# ampdoctor report", ""]
+    if run:
+        lines.append(f"{_code(run.get('path', ''), in_table=False)}: {_inline(sections.run_summary(run))}")
     for section, body in parts:
         lines += ["", f"## {section.title}", ""] + body
     return "\n".join(lines) + "\n"

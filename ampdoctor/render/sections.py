@@ -1,17 +1,22 @@
 """The report's sections as the Markdown and HTML renderers both lay them out (their order and
 titles, which ``missing`` note each shows, what each says without data), and the rows and cells the
 renderers share: the scaler's settings, the recommendation's tables, the postmortem's timeline (the
-text renderer too). Pure functions; text comes back unescaped, for each renderer to escape."""
+text renderer too). Pure functions; text comes back unescaped, for each renderer to escape.
+
+Markdown and HTML lead with the answer (:data:`REPORT_ORDER`): the recommendation, then the advice,
+then the evidence. A page is read from the top; the terminal's report keeps the evidence first,
+because what a terminal leaves on screen after a command is its last lines."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..schema import SCALER_META
 from .formatting import MISSING, number_or_word, scale_str, setting, underflow
 
 LAYER_ROWS = 50  # layers in a report's table (the worst first); `ampdoctor layers` lists them all
-SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+SCALER_KEYS = tuple(SCALER_META)  # GradScaler's four settings, in its order
 REPLAY_KEYS = ("hysteresis", "min_scale", "max_scale")  # the replay's settings beyond GradScaler's
 
 
@@ -27,16 +32,20 @@ class Section:
         return self.key.replace("_", "-")
 
 
-RUN = Section("run", "Run")
+RUN = Section("run", "Run details")
 SCALE = Section("scale", "Loss scale", "No loss-scale data.")
 LAYERS = Section("layers", "Layers", "No per-layer statistics.")
 ORIGINS = Section("overflow_origins", "Overflow origins", "No overflow was recorded.")
 RECOMMENDATION = Section("recommendation", "Recommendation", "No recommendation.")
+ADVICE = Section("advice", "Advice", "None.")  # the recommendation's advice, shown on its own after it
 WARNINGS = Section("warnings", "Warnings", "None.")
 NOT_AVAILABLE = Section("not_available", "Not available")  # the ``missing`` notes no section shows
 
 # The sections that show their own ``missing`` note.
 NOTED = (SCALE, LAYERS, ORIGINS, RECOMMENDATION)
+# The report's sections in Markdown and HTML: the answer, what to do, then the evidence behind it
+# (NOT_AVAILABLE follows when some ``missing`` note has no section).
+REPORT_ORDER = (RECOMMENDATION, ADVICE, SCALE, LAYERS, ORIGINS, RUN, WARNINGS)
 
 
 def missing_note(missing: dict, section: Section) -> str | None:
@@ -62,6 +71,23 @@ def layers_shown(layers: Sequence[dict]) -> tuple[Sequence[dict], str | None]:
     if len(layers) > len(shown):
         return shown, f"The {len(shown)} worst of {len(layers)} layers by underflow rate."
     return shown, None
+
+
+def run_summary(run: dict) -> str:
+    """The run in one line, for the top of a page whose run details come last:
+    ``150 steps on 1 rank(s), float16 on cpu, level params``."""
+    ranks = run.get("ranks")
+    return (f"{run.get('steps', MISSING)} steps" + (f" on {ranks} rank(s)" if ranks is not None else "")
+            + f", {run.get('amp_dtype') or MISSING} on {run.get('device') or 'unknown device'}, "
+              f"level {run.get('level') or MISSING}")
+
+
+def layer_label(layer: dict) -> str:
+    """A layer's name as the tables and charts show it: with its module's class where the module's
+    name is only an index (``mlp.2.weight (Linear)``), else the name alone."""
+    name = str(layer.get("name", ""))
+    module_type = layer.get("module_type")
+    return f"{name} ({module_type})" if module_type else name
 
 
 def scaler_call(scaler: dict) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from . import sections
 from .formatting import VERDICTS, binades, number, origin_name, percent, scale_str, setting, shorten, underflow
 
@@ -60,20 +62,22 @@ def _wrap(text: str, indent: str = "  - ", width: int = WIDTH) -> list[str]:
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=" " * len(indent)) or [indent]
 
 
-def layers_table(layers: list[dict], top: int | None = None) -> list[str]:
-    """The per-layer table (fits 100 columns; long names are clipped from the left)."""
+def layers_table(layers: list[dict], top: int | None = None, path: str | None = None) -> list[str]:
+    """The per-layer table (fits 100 columns; long names are clipped from the left). Cut to ``top``
+    rows, it ends with the command that lists them all for the run at ``path``."""
     rows = layers if top is None else layers[:top]
     head = (f"{'layer':<31} {'kind':<11} {'underflow':>9} {'at most':>8} {'zero':>8} {'subnorm':>8} {'headroom':>8} "
             f"{'amax':>8}")
     lines = [head]
     for r in rows:
-        lines.append(f"{shorten(r['name'], 31, keep_head=False):<31} {r['kind']:<11} "
+        lines.append(f"{shorten(sections.layer_label(r), 31, keep_head=False):<31} {r['kind']:<11} "
                      f"{percent(r['underflow_rate']):>9} "
                      f"{percent(r.get('underflow_rate_max')):>8} "
                      f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
     if top is not None and len(layers) > top:
-        lines.append(f"… {len(layers) - top} more (ampdoctor layers RUN --top N)")
+        run = shlex.quote(str(path)) if path is not None else "RUN"
+        lines.append(f"… {len(layers) - top} more (ampdoctor layers {run} --top N)")
     return lines
 
 
@@ -97,7 +101,7 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
     if "layers" in missing:
         out += _wrap(missing["layers"], "  ")
     else:
-        out += ["  " + line for line in layers_table(report["layers"], top)]
+        out += ["  " + line for line in layers_table(report["layers"], top, run["path"])]
     out += ["", _heading("Overflow origins (most frequent first)", color)]
     if report["overflow_origins"]:
         for o in report["overflow_origins"][:10]:
@@ -129,15 +133,18 @@ def report_text(report: dict, color: bool = False, top: int = 15) -> str:
     return "\n".join(out)
 
 
+# The replay's settings beyond GradScaler's as torch behaves (the contract's values): not written out.
+REPLAY_DEFAULTS = {"hysteresis": 1, "min_scale": 0.0, "max_scale": None}
+
+
 def simulate_text(sim: dict) -> str:
-    """``ampdoctor simulate``: the prediction next to what the run did."""
+    """``ampdoctor simulate``: the prediction next to what the run did (within 100 columns)."""
     cfg, actual = sim["config"], sim["actual"]
     settings = ", ".join(f"{k}={setting(k, cfg[k])}" for k in sections.SCALER_KEYS)
-    extra = [f"{k}={setting(k, cfg[k])}" for k in sections.REPLAY_KEYS
-             if cfg.get(k) not in (None, 1, 0.0)]
-    lines = [f"simulated {sim['steps']} recorded steps in {sim['target_dtype']} with GradScaler({settings}"
-             + (", " + ", ".join(extra) if extra else "") + ")", ""]
-    lines.append(f"{'':<18} {'simulated':>14} {'actual run':>14}")
+    extra = [f"{k}={setting(k, cfg[k])}" for k in sections.REPLAY_KEYS if cfg.get(k) != REPLAY_DEFAULTS[k]]
+    lines = _wrap(f"simulated {sim['steps']} recorded steps in {sim['target_dtype']} with GradScaler({settings}"
+                  + (", " + ", ".join(extra) if extra else "") + ")", "")
+    lines += ["", f"{'':<18} {'simulated':>14} {'actual run':>14}"]
     a_cfg = actual["config"]
     rows = [("skipped steps", str(sim["skipped_steps"]), str(actual["skipped_steps"])),
             ("skipped fraction", percent(sim["skipped_fraction"]), percent(actual["skipped_fraction"])),
@@ -149,9 +156,10 @@ def simulate_text(sim: dict) -> str:
     if a_cfg is None:
         lines.append("(the run itself used no loss scaling)")
     if sim["uncertain_steps"]:
-        lines.append(f"{sim['uncertain_steps']} more step(s) may also overflow: their magnitude is only a lower bound")
-    lines.append(f"overflow threshold: largest gradient x scale > 2**{sim['threshold']['overflow_log2']:.1f} "
-                 f"({sim['threshold']['source']})")
+        lines += _wrap(f"{sim['uncertain_steps']} more step(s) may also overflow: their magnitude is only a "
+                       f"lower bound", "")
+    lines += _wrap(f"overflow threshold: largest gradient x scale > 2**{sim['threshold']['overflow_log2']:.1f} "
+                   f"({sim['threshold']['source']})", "")
     top = [layer for layer in sim["layers"]
            if (layer.get("underflow_rate_max") or layer["underflow_rate"] or 0) > 0][:10]
     if top:

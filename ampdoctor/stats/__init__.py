@@ -9,10 +9,10 @@ Two kinds:
   NaNs and infs, a binade histogram, the smallest and largest magnitudes, the norm and the zeros
   in zero lines, per tensor or for all of them together.
 
-Each is computed by one of two algorithms (:mod:`.algorithms`), chosen by :func:`algorithm_for`
-the device or explicitly (``algorithm=``), so the accelerator one also runs on CPU tensors in the
-tests: *host* for CPU tensors, *accelerator* (a fixed number of launches, no float atomics) for
-every other device. On the writer thread, host copies of either kind become numpy arrays per
+Each kind has two algorithms, in its own module: *host* for CPU tensors, *accelerator* (a fixed
+number of launches, no float atomics) for every other device. :mod:`.algorithms` says which one
+runs: :func:`algorithm_for` the device, or ``algorithm=`` explicitly, so the tests also run the
+accelerator one on CPU tensors. On the writer thread, host copies of either kind become numpy arrays per
 slot (:class:`HostStats`, :mod:`.host_stats`).
 """
 
