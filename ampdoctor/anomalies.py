@@ -144,5 +144,6 @@ class AnomalyWatch:
         """The numbering goes on at ``step``: the abandoned steps' flight entries and checks go."""
         self.handled = min(self.handled, step - 1)
         self.flight.clear()
+        self.seen.steps -= len(self.pending)  # never checked, and not part of the run any more
         self.pending.clear()
         self.last_scalars = None

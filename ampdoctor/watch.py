@@ -54,6 +54,7 @@ class Progress:
     anomalies: int              # steps with any of those three
     ranks: int
     ended: bool                 # every writer has written its final segment
+    ended_before_watch: bool = False  # it had already ended at the first look: an old run, not a live one
     warnings: list[str] = field(default_factory=list)  # the reader's, new in this poll
 
     @property
@@ -96,7 +97,8 @@ class RunFollower:
             if self._visible():  # still there: not a run (another tool's Parquet, a newer schema)
                 raise
             return None  # removed between the look and the read (a demo replacing its run)
-        if not self.found:
+        first_look = not self.found
+        if first_look:
             self.found = True
             self.run_id = run.metadata.get(META_RUN_ID, "") or None
         fresh = [s for s in run.segments if s.path not in self._segments]
@@ -112,7 +114,7 @@ class RunFollower:
                         new_steps=len(self._steps) - before, scale=scale, skipped=len(self._skipped),
                         loss=loss, nonfinite_losses=len(self._bad_loss), nonfinite_params=len(self._bad_params),
                         anomalies=len(self._skipped | self._bad_loss | self._bad_params), ranks=len(self._ranks),
-                        ended=self.ended, warnings=warnings)
+                        ended=self.ended, ended_before_watch=first_look and self.ended, warnings=warnings)
 
     def _visible(self) -> bool:
         """Whether the path shows a finished segment (or is a file): else it is not a run yet."""

@@ -114,6 +114,10 @@ def _check_rank(acc, frame, rank):
             assert h.min == pytest.approx(group["amin"][group["amin"] > 0].min(), rel=1e-6)
             assert h.sum_squares == pytest.approx(float((group["l2"].astype(float) ** 2).sum()), rel=1e-5)
             assert h.min <= h.bucket_limit[0] and h.max <= h.bucket_limit[-1]  # min and max in the end buckets
+            # The edges are in true-gradient units: the largest recorded magnitude (amax, unscaled)
+            # lies inside the top bucket, not one binade (or a scale's worth) away from it.
+            if hi < bins - 1 and len(edges) > 1:
+                assert edges[-2] <= h.max < edges[-1], (tag, h.max, edges[-2:])
 
     # Underflow: parameter gradients recomputed from their rows with the estimate of analysis/underflow.py
     # (one row per parameter and step); a layer that held a NaN or inf in a step has no point.
@@ -221,3 +225,25 @@ def test_export_needs_a_target(tmp_path):
     _record(run_path, level="steps")
     result = CliRunner().invoke(main, ["export", str(run_path)])
     assert result.exit_code == 2 and "--tensorboard" in result.output
+
+
+def test_a_failed_export_leaves_no_event_files_so_a_retry_works(tmp_path, monkeypatch):
+    """An export that fails half way (here: reading the layer rows) removes its event files, so
+    the directory is not refused as holding an earlier export when the user retries."""
+    import ampdoctor.export.tensorboard as tensorboard_export
+    from ampdoctor.export.tensorboard import export_tensorboard
+
+    from test_run import record
+
+    path = record(tmp_path / "run.parquet", steps=4)
+    logdir = tmp_path / "tb"
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tensorboard_export, "layer_points", broken)
+        with pytest.raises(OSError, match="disk full"):
+            export_tensorboard(path, logdir)
+    assert not list(logdir.glob("rank*/events.out.tfevents*"))
+    assert export_tensorboard(path, logdir)["ranks"][0]["steps"] == 4

@@ -127,3 +127,20 @@ def test_a_non_finite_loss_always_waits_and_a_run_of_skips_waits_once():
     # steps 0-2: one wait; 4 and 5 (NaN loss): each; 7 (below the floor, first time): one; 8: still
     # below, not an anomaly
     assert writer.syncs == 4
+
+
+def test_a_rewind_drops_the_unchecked_steps_from_the_summary_counts():
+    """Steps whose copies had not landed when the run was rolled back are no longer part of it:
+    the live summary (``watch.seen``) neither counts them as recorded nor as not checked."""
+    clock = [0]
+    plan = _plan(level="params", flight_steps=0, escalate_steps=0, every=100, module_every=100)
+    watch = AnomalyWatch(plan, _Writer(), HostCopies(lambda device: _Event(clock, 3), fence_host=True),
+                         rank=0, flight_steps=0, scale_floor=None, start_step=0)
+    for step in range(5):
+        clock[0] = step
+        copies = HostCopies(lambda device: _Event(clock, 3), fence_host=True)
+        copies.to_host(torch.zeros(1))
+        watch.step_done(step, _scalars(), copies.seal(), None, skipped_on_host=False)
+    assert watch.seen.steps == 5 and watch.seen.checked == 2  # steps 0 and 1 landed; 2-4 in flight
+    watch.rewind(2)  # resumed from a checkpoint of step 2: steps 2-4 are abandoned
+    assert watch.seen.steps == 2 and watch.seen.checked == 2

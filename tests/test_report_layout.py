@@ -232,3 +232,23 @@ def test_the_postmortem_chart_puts_each_series_on_its_own_axis(tmp_path):
     # The event step (non-finite loss) is marked on every axis.
     assert all(any(list(line.get_xdata()) == [15, 15] for line in ax.get_lines()) for ax in axes)
     assert "each on its own axis" in render.postmortem(postmortem_data(path), "html")
+
+
+def test_the_postmortem_page_leads_with_what_to_change(tmp_path):
+    """The postmortem's answer (verdict and what to change) is on the first screen at 1400×900,
+    above the timeline and its chart."""
+    from ampdoctor.analysis.postmortem import postmortem_data
+    from models import MLP, train_with_faults
+
+    torch.manual_seed(0)
+    path = tmp_path / "nan.parquet"
+    train_with_faults(path, MLP(), steps=20, corrupt_batch=lambda i, x, y: (x * float("nan"), y) if i == 15
+                      else (x, y))
+    data = postmortem_data(path)
+    assert render.contract(data)["advice"]
+    where = measure(render.postmortem(data, "html"), tmp_path,
+                    {"verdict": "#verdict", "advice": "#advice li", "timeline": "#timeline"})
+    height = where["viewport"][1]
+    assert 0 < where["verdict"][0] < where["advice"][0] < where["advice"][1] <= height, where
+    assert where["timeline"][0] > where["advice"][1], where
+

@@ -113,7 +113,7 @@ def test_watch_times_out_on_a_run_that_does_not_end(tmp_path):
     assert error.startswith(f"Error: {path}: run ") and "has not ended after 0.5 s (last step 2;" in error
     # closed now: the same command ends at once
     result = CliRunner().invoke(main, ["watch", str(path), "--timeout", "5"])
-    assert result.exit_code == 0 and "ended: 3 step(s), 0 skipped, 0 anomalous" in result.stdout
+    assert result.exit_code == 0 and "ended before watch started (an earlier run): 3 step(s), 0 skipped" in result.stdout
 
 
 def test_watch_times_out_when_no_run_appears(tmp_path):
@@ -132,6 +132,7 @@ def test_watch_json_lines(tmp_path):
     assert [e["event"] for e in events] == ["progress", "ended"]
     end = events[-1]
     assert end["step"] == 3 and end["steps"] == 4 and end["new_steps"] == 4 and end["ended"] is True
+    assert end["ended_before_watch"] is True  # an old run: watch says so rather than pass it off as live
     assert end["skipped"] == 0 and end["anomalies"] == 0 and end["command"] == "report" and end["ranks"] == 1
     assert end["run_id"] == ampdoctor.read_run(path).metadata["run.id"] and end["scale"] == 2.0**16
 

@@ -13,14 +13,19 @@ exactly. Otherwise the settings that differ are listed and there is no verdict. 
 *held* when both parts hold:
 
 * **skipped steps**: A's replay predicted ``p`` skipped steps, and ``u`` more it could not decide
-  (``uncertain_steps``), over A's ``n_a`` steps. Over B's ``n_b`` steps that is ``p · n_b / n_a``
-  to ``(p + u) · n_b / n_a``; B's skipped steps must lie in that range widened by
-  ``max(1, 2% of n_b)`` on each side (:data:`SKIPPED_SLACK_STEPS`, :data:`SKIPPED_SLACK_FRACTION`):
-  one step more or less is noise (training takes another path once a step is not skipped), and so
-  is 2% of a long run.
+  (``uncertain_steps``), over A's steps; B's skipped steps must lie in ``p - 1 .. p + u + 1``
+  (:data:`SKIPPED_SLACK_STEPS`): one step more or less is noise (training takes another path once a
+  step is not skipped). The slack does not grow with the run: 0 predicted and 200 got is a miss
+  however long the run.
 * **underflow**: B's recorded underflow range (``underflow_rate_min`` .. ``underflow_rate_max``)
   overlaps the predicted range or is within :data:`UNDERFLOW_SLACK` (0.1 percentage points) of
   it. When either range is unknown this part is null and does not decide.
+
+There is no verdict (and the status says why) when the runs trained for different numbers of steps
+(skips are not spread evenly: the start-up backoff skips a fixed number at the start, so no scaling
+of the prediction is right), when either run is not float16 (the replay predicts float16 loss
+scaling; a bf16 run's scaler settings mean nothing for it), or in different formats. The check
+assumes run B is run A's training again with new settings; it cannot tell another model or data.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ from .run_analysis import Analysis, analyse
 
 SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 SETTING_TOLERANCE = 1e-6       # relative: 65536.0 and 65536.00000001 are the same setting
-SKIPPED_SLACK_STEPS = 1        # skipped steps within this many of the prediction ...
-SKIPPED_SLACK_FRACTION = 0.02  # ... or this fraction of the steps, whichever is more, hold
+SKIPPED_SLACK_STEPS = 1        # skipped steps within this many of the prediction hold
+REPLAY_FORMAT = "float16"      # the format the replay predicts for (analysis/run_analysis.py's target)
 UNDERFLOW_SLACK = 1e-3         # underflow ranges this close (0.1 percentage points) hold
 UNDERFLOW_KEYS = ("underflow_rate", "underflow_rate_min", "underflow_rate_max")
 
@@ -56,8 +61,10 @@ def compare_data(run_a: RunLike, run_b: RunLike, run_id_a: str | None = None,
     b, report_b = _read(run_b, run_id_b)
     side_a, side_b = _side(a, report_a), _side(b, report_b)
     warnings: list = []
-    if a.amp.name == b.amp.name:
+    if a.amp.name == b.amp.name == REPLAY_FORMAT:
         prediction = _prediction(side_a, side_b)
+    elif a.amp.name == b.amp.name:  # bf16 or fp32: no loss scaling to check
+        prediction = {**_no_check("not_float16"), "finding": Finding("compare_not_float16", {"dtype": a.amp.name})}
     else:  # underflow and headroom mean other things in another format; so does the replay's prediction
         different = Finding("compare_different_formats", {"a": a.amp.name, "b": b.amp.name})
         prediction = {**_no_check("not_comparable"), "finding": different}
@@ -158,7 +165,10 @@ def _prediction(a: dict, b: dict) -> dict:
     if differences:
         return {**_no_check("settings_differ"), **base,
                 "finding": Finding("compare_settings_differ", {"differences": differences})}
-    skipped = check_skipped(rec["predicted"], a["steps"], b["skipped_steps"], b["steps"])
+    if a["steps"] != b["steps"]:
+        return {**_no_check("steps_differ"), **base,
+                "finding": Finding("compare_steps_differ", {"a": a["steps"], "b": b["steps"]})}
+    skipped = check_skipped(rec["predicted"], b["skipped_steps"])
     underflow = check_underflow(rec["predicted"], _underflow(b))
     held = skipped["held"] and underflow["held"] is not False
     return {"status": "checked", **base, "held": held, "skipped": skipped, "underflow": underflow,
@@ -166,13 +176,12 @@ def _prediction(a: dict, b: dict) -> dict:
                         else Finding("prediction_missed", {"skipped": skipped, "underflow": underflow}))}
 
 
-def check_skipped(predicted: dict, steps_a: int, got: int, steps_b: int) -> dict:
-    """Whether ``got`` skipped steps of ``steps_b`` match a prediction of ``predicted`` over
-    ``steps_a`` steps (the rule in the module's docstring)."""
-    ratio = steps_b / steps_a if steps_a else 1.0
-    low = predicted["skipped_steps"] * ratio
-    high = (predicted["skipped_steps"] + predicted.get("uncertain_steps", 0)) * ratio
-    tolerance = max(float(SKIPPED_SLACK_STEPS), SKIPPED_SLACK_FRACTION * steps_b)
+def check_skipped(predicted: dict, got: int) -> dict:
+    """Whether ``got`` skipped steps match the ``predicted`` ones over as many steps (the rule in
+    the module's docstring)."""
+    low = float(predicted["skipped_steps"])
+    high = float(predicted["skipped_steps"] + predicted.get("uncertain_steps", 0))
+    tolerance = float(SKIPPED_SLACK_STEPS)
     return {"predicted": int(predicted["skipped_steps"]), "uncertain": int(predicted.get("uncertain_steps", 0)),
             "expected_min": low, "expected_max": high, "tolerance": tolerance, "got": int(got),
             "held": bool(low - tolerance <= got <= high + tolerance)}
@@ -205,7 +214,7 @@ def join_layers(layers_a: list[dict], layers_b: list[dict]) -> list[dict]:
         fa = {f: ra[f] for f in LAYER_FIELDS} if ra else None
         fb = {f: rb[f] for f in LAYER_FIELDS} if rb else None
         change = {f"{f.removesuffix('_log2')}_change": _minus(fa, fb, f) for f in LAYER_FIELDS}
-        out.append({"name": key[0], "kind": key[1], "type": (ra or {}).get("type") or (rb or {}).get("type"),
+        out.append({"name": key[0], "kind": key[1], "type": (ra or {}).get("module_type") or (rb or {}).get("module_type"),
                     "in": "both" if ra and rb else "a" if ra else "b",
                     "a": fa, "b": fb, "underflow_change": change["underflow_rate_change"],
                     "underflow_max_change": change["underflow_rate_max_change"],

@@ -48,6 +48,7 @@ def export_tensorboard(run: Run | str | os.PathLike, logdir: str | os.PathLike) 
                             "histograms": 0}
         return writers[rank]
 
+    completed = False
     try:
         for rank in sorted(scalars):
             w = writer(rank)
@@ -67,9 +68,15 @@ def export_tensorboard(run: Run | str | os.PathLike, logdir: str | os.PathLike) 
                 w.add_scalar(tag, value, global_step=step)
             counts[rank]["histograms"] += len(histograms)
             counts[rank]["scalars"] += len(underflow)
+        completed = True
     finally:
         for w in writers.values():
             w.close()
+        if not completed:
+            # No half export left behind: it would make a retry refuse the directory. Every event
+            # file there is this export's (an earlier one was refused above).
+            for partial in Path(logdir).glob(f"rank*/{EVENT_PREFIX}*"):
+                partial.unlink(missing_ok=True)
     return {"path": str(run.path), "run_id": run.metadata.get(META_RUN_ID, ""), "logdir": str(logdir),
             "ranks": [counts[r] for r in sorted(counts)]}
 

@@ -22,7 +22,8 @@ TOP = 15
 COLORS = {"a": "#1f77b4", "b": "#ff7f0e"}
 # What the prediction's status says in a heading, and the style of its box in the HTML page.
 STATUS = {"checked": "checked", "settings_differ": "not checked: other settings",
-          "no_recommendation": "not checked: no recommendation", "not_comparable": "not checked: other format"}
+          "no_recommendation": "not checked: no recommendation", "not_comparable": "not checked: other format",
+          "not_float16": "not checked: no loss scaling", "steps_differ": "not checked: other length"}
 EXTRA_CSS = (".verdict.held{background:#e6f4ea}.verdict.missed{background:#fce8e6}"
              ".verdict.unchecked{background:#f0f0f3}.summary li{margin:.2em 0}")
 
@@ -85,7 +86,8 @@ def _underflow_change(change: dict) -> str:
     low, high = change["underflow_rate_min"], change["underflow_rate_max"]
     if low is None or high is None or abs(high - low) < 1e-12:
         return signed_percent(low)
-    return f"{signed_percent(low)}..{signed_percent(high)}"
+    # Two changes, of the lower and of the upper bound: not a range (the first can exceed the second).
+    return f"min {signed_percent(low)}, max {signed_percent(high)}"
 
 
 def prediction_rows(prediction: dict) -> list[tuple[str, str, str, str]]:

@@ -283,7 +283,7 @@ def report_html(report: dict) -> str:
 # --- the postmortem -------------------------------------------------------------------------------
 
 def postmortem_html(pm: dict) -> str:
-    """``ampdoctor postmortem --format html``: the verdict, the timeline (table and chart), the advice."""
+    """``ampdoctor postmortem --format html``: the verdict, the advice, then the timeline (table and chart)."""
     run = pm.get("run") or {}
     path = run.get("path", "")
     if pm.get("status") == "healthy":
@@ -308,12 +308,14 @@ def postmortem_html(pm: dict) -> str:
                         "lines: skipped steps, thick: a non-finite loss.")
     except ImportError:
         chart = '<p class="nodata">Charts need matplotlib, which is not installed.</p>'
+    advice = pm.get("advice") or []
+    # The answer first (what happened, what to change), then the evidence: the steps before it.
     parts = [
         ("verdict", "Verdict", _dl(items)),
+        ("advice", "What to change", _bullets(advice) if advice else "<p>None.</p>"),
         ("timeline", "Steps before the event",
          (_table(sections.TIMELINE_HEADERS, rows, num=(0, 1, 3, 4, 5), name=(6,)) if rows
           else "<p>No steps recorded before it.</p>") + chart),
-        ("advice", "What to change", _bullets(pm.get("advice") or []) or "<p>None.</p>"),
     ]
     if pm.get("notes"):
         parts.append(("notes", "Not determined / notes", _bullets(pm["notes"])))

@@ -275,13 +275,13 @@ def postmortem_markdown(pm: dict) -> str:
         out.append(f"- **origin**: {_code(origin['name'], in_table=False)} ({_inline(origin.get('kind'))}), "
                    f"step {_inline(origin.get('step'))}, rank {_inline(origin.get('rank'))}")
     out.append("")
+    if pm.get("advice"):  # the answer before the evidence, as in the HTML page
+        out += ["## What to change", ""] + [f"{i}. {_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]
     if pm.get("timeline"):
         rows = [sections.timeline_cells(r) + [r["max_activation_module"] or "—"] for r in pm["timeline"]]
         out += ["## Steps before the event", ""]
         out += _table(sections.TIMELINE_HEADERS, rows, right=(0, 1, 3, 4, 5), code=(6,))
         out.append("")
-    if pm.get("advice"):
-        out += ["## What to change", ""] + [f"{i}. {_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]
     if pm.get("notes"):
         out += ["## Not determined / notes", ""] + _bullets(pm["notes"]) + [""]
     return "\n".join(out).rstrip() + "\n"

@@ -29,7 +29,10 @@ def ended_line(progress) -> str:
     if progress.nonfinite_params:
         nonfinite += f", non-finite parameters at {progress.nonfinite_params} step(s)"
     verb = "Find out why with" if progress.command == "postmortem" else "Read it with"
-    return (f"Run {progress.run_id or '(no id)'} ended: {progress.steps} step(s), {progress.skipped} skipped, "
+    # A run that had ended before watch looked is an old one: a training that starts later writes
+    # a new run at the path, which `watch` started then would follow.
+    when = " before watch started (an earlier run)" if progress.ended_before_watch else ""
+    return (f"Run {progress.run_id or '(no id)'} ended{when}: {progress.steps} step(s), {progress.skipped} skipped, "
             f"{progress.anomalies} anomalous{nonfinite}. {verb}:\n  "
             f"ampdoctor {progress.command} {shlex.quote(progress.path)}")
 
