@@ -5,13 +5,13 @@ only when its charts are drawn."""
 
 from __future__ import annotations
 
-import html
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import charts
-from .formatting import MISSING, binades, code_spans, number, percent, scale_str, setting, shorten, underflow
-from .html import CSS
+from .formatting import MISSING, binades, number, percent, scale_str, setting, shorten, underflow
+from .html import escaped, page, prose
+from .markdown import bullet_lines, code_span, escaped_text, table_lines
 from .sections import LAYER_ROWS, SCALER_KEYS
 
 if TYPE_CHECKING:
@@ -192,51 +192,41 @@ def _layer_table(layers: list[dict], top: int) -> list[str]:
 
 def compare_markdown(data: dict) -> str:
     """``ampdoctor compare --format md``: GitHub-flavoured Markdown."""
-    from .markdown import _bullets, _code, _table, _text
-
     prediction = data["prediction"]
-    out = ["# ampdoctor compare", "", f"- **run A**: {_code(data['a']['path'], in_table=False)}",
-           f"- **run B**: {_code(data['b']['path'], in_table=False)}", "", "## Summary", ""]
-    out += _bullets(data["summary"])
+    out = ["# ampdoctor compare", "", f"- **run A**: {code_span(data['a']['path'], in_table=False)}",
+           f"- **run B**: {code_span(data['b']['path'], in_table=False)}", "", "## Summary", ""]
+    out += bullet_lines(data["summary"])
     out += ["", "## Runs", ""]
-    out += _table(["", "run A", "run B", "change"], run_rows(data))
-    out += ["", f"## Prediction ({_text(STATUS[prediction['status']])})", "", _text(prediction["finding"])]
+    out += table_lines(["", "run A", "run B", "change"], run_rows(data))
+    out += ["", f"## Prediction ({escaped_text(STATUS[prediction['status']])})", "", escaped_text(prediction["finding"])]
     rows = prediction_rows(prediction)
     if rows:
-        out += [""] + _table(["", "recommended, predicted", "run B", ""], rows)
+        out += [""] + table_lines(["", "recommended, predicted", "run B", ""], rows)
     out += ["", "## Layers (worst change first)", ""]
     layers = data["layers"]
     if layers:
         shown = layers[:LAYER_ROWS]
         if len(layers) > len(shown):
             out += [f"The {len(shown)} worst of {len(layers)} layers.", ""]
-        out += _table(LAYER_HEADERS, [layer_cells(layer) for layer in shown], right=range(3, 9), code=(0,))
+        out += table_lines(LAYER_HEADERS, [layer_cells(layer) for layer in shown], right=range(3, 9), code=(0,))
     else:
         out.append("No per-layer rows in either run.")
     if data["warnings"]:
-        out += ["", "## Warnings", ""] + _bullets(data["warnings"])
+        out += ["", "## Warnings", ""] + bullet_lines(data["warnings"])
     return "\n".join(out) + "\n"
 
 
 # -- HTML -----------------------------------------------------------------------------------------
 
-def _e(x: object) -> str:
-    return html.escape(str(x), quote=False)
-
-
-def _prose(text: object) -> str:
-    return "".join(f"<code>{_e(p)}</code>" if is_code else _e(p) for p, is_code in code_spans(str(text)))
-
-
-def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], num: Iterable[int] = (),
-           code: Iterable[int] = ()) -> str:
+def _html_table(headers: Sequence[str], rows: Iterable[Sequence[str]], num: Iterable[int] = (),
+                code: Iterable[int] = ()) -> str:
     num, code = set(num), set(code)
 
     def cell(i: int, value: str) -> str:
         cls = ' class="num"' if i in num else ' class="name"' if i in code else ""
-        return f"<td{cls}>" + (f"<code>{_e(value)}</code>" if i in code else _e(value)) + "</td>"
+        return f"<td{cls}>" + (f"<code>{escaped(value)}</code>" if i in code else escaped(value)) + "</td>"
 
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    head = "".join(f"<th>{escaped(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>\n" for row in rows)
     return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
 
@@ -245,34 +235,28 @@ def compare_html(data: dict) -> str:
     """``ampdoctor compare --format html``: one self-contained page, the verdict first."""
     prediction = data["prediction"]
     a, b = data["a"], data["b"]
-    summary = (f'<p class="verdict {verdict_class(prediction)}">{_prose(prediction["finding"])}</p>\n'
-               '<ul class="summary">' + "".join(f"<li>{_prose(s)}</li>" for s in data["summary"][:-1]) + "</ul>")
+    summary = (f'<p class="verdict {verdict_class(prediction)}">{prose(prediction["finding"])}</p>\n'
+               '<ul class="summary">' + "".join(f"<li>{prose(s)}</li>" for s in data["summary"][:-1]) + "</ul>")
     rows = prediction_rows(prediction)
     layers = data["layers"][:LAYER_ROWS]
     layer_note = (f"<p>The {len(layers)} worst of {len(data['layers'])} layers.</p>"
                   if len(data["layers"]) > len(layers) else "")
     parts = [
         ("summary", "Summary", summary),
-        ("runs", "Runs", _table(["", "run A", "run B", "change"], run_rows(data))),
+        ("runs", "Runs", _html_table(["", "run A", "run B", "change"], run_rows(data))),
         ("prediction", f"Prediction ({STATUS[prediction['status']]})",
-         f"<p>{_prose(prediction['finding'])}</p>"
-         + (_table(["", "recommended, predicted", "run B", ""], rows) if rows else "")),
+         f"<p>{prose(prediction['finding'])}</p>"
+         + (_html_table(["", "recommended, predicted", "run B", ""], rows) if rows else "")),
         ("curves", "Scale, loss and gradient norm", _curves_html(data.get("charts") or {})),
         ("layers", "Layers (worst change first)",
-         layer_note + (_table(LAYER_HEADERS, [layer_cells(layer) for layer in layers], num=range(3, 9), code=(0,))
+         layer_note + (_html_table(LAYER_HEADERS, [layer_cells(layer) for layer in layers], num=range(3, 9), code=(0,))
                        if layers else "<p>No per-layer rows in either run.</p>")),
     ]
     if data["warnings"]:
         parts.append(("warnings", "Warnings", '<ul class="warnings">'
-                      + "".join(f"<li>{_prose(w)}</li>" for w in data["warnings"]) + "</ul>"))
-    body = "\n".join(f'<section id="{sid}">\n<h2>{_e(title)}</h2>\n{content}\n</section>'
-                     for sid, title, content in parts)
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>ampdoctor compare: {_e(a['path'])} vs {_e(b['path'])}</title>\n"
-            f"<style>{CSS}{EXTRA_CSS}</style>\n</head>\n<body>\n<main>\n<h1>ampdoctor compare</h1>\n"
-            f"<p>A: <code>{_e(a['path'])}</code><br>B: <code>{_e(b['path'])}</code></p>\n{body}\n"
-            "</main>\n</body>\n</html>\n")
+                      + "".join(f"<li>{prose(w)}</li>" for w in data["warnings"]) + "</ul>"))
+    return page("ampdoctor compare", f"{a['path']} vs {b['path']}", parts, extra_css=EXTRA_CSS,
+                subtitle=f"A: <code>{escaped(a['path'])}</code><br>B: <code>{escaped(b['path'])}</code>")
 
 
 def _curves_html(series: dict) -> str:
@@ -285,7 +269,7 @@ def _curves_html(series: dict) -> str:
     caption = ("Run A (blue) and run B (orange) per step: the loss scale (log2 axis; crosses are skipped "
                "steps), the loss, and the gradient norm (log2 axis), each on its own axis.")
     return f"<figure>\n{charts.to_svg(fig, 'compare', 'scale, loss and gradient norm of both runs')}\n" \
-           f"<figcaption>{_e(caption)}</figcaption>\n</figure>"
+           f"<figcaption>{escaped(caption)}</figcaption>\n</figure>"
 
 
 def curves_figure(series: dict) -> Figure | None:

@@ -43,7 +43,7 @@ pre.scaler-code{font-size:1.05em;background:#eef3fd;border-left:4px solid #4a7bd
 """
 
 
-def _e(x: object) -> str:
+def escaped(x: object) -> str:
     """Text content, escaped (``<``, ``>``, ``&``; quotes are harmless outside attributes and stay
     readable in the source)."""
     return html.escape(str(x), quote=False)
@@ -71,7 +71,7 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], num: Iterable[
 
 def _note(message: str | None) -> str:
     """A note from the data (why a section is missing), or nothing."""
-    return f'<p class="missing">{_e(message)}</p>' if message else ""
+    return f'<p class="missing">{escaped(message)}</p>' if message else ""
 
 
 def _placeholder(section: Section, has_data: bool, missing: dict) -> str:
@@ -81,31 +81,34 @@ def _placeholder(section: Section, has_data: bool, missing: dict) -> str:
 
 def _bullets(items: Iterable[object], cls: str = "") -> str:
     attr = f' class="{cls}"' if cls else ""
-    return f"<ul{attr}>" + "".join(f"<li>{_prose(i)}</li>" for i in items) + "</ul>"
+    return f"<ul{attr}>" + "".join(f"<li>{prose(i)}</li>" for i in items) + "</ul>"
 
 
-def _prose(text: object) -> str:
+def prose(text: object) -> str:
     """Text from the data, escaped, with its backtick-marked code in ``<code>``."""
-    return "".join(f"<code>{_e(piece)}</code>" if is_code else _e(piece) for piece, is_code in code_spans(str(text)))
+    return "".join(f"<code>{escaped(piece)}</code>" if is_code else escaped(piece) for piece, is_code in code_spans(str(text)))
 
 
 def _dl(items: Iterable[tuple[str, str]]) -> str:
     """A definition list; values must already be escaped."""
-    return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
+    return "<dl>" + "".join(f"<dt>{escaped(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
 
 
-def _page(title: str, path: str, parts: Sequence[tuple[str, str, str]], summary: str = "") -> str:
+def page(title: str, path: str, parts: Sequence[tuple[str, str, str]], summary: str = "", *,
+         subtitle: str | None = None, extra_css: str = "") -> str:
     """One self-contained page of ``(id, heading, content)`` sections; contents must already be
-    escaped. ``summary`` (text) follows the path, on the same line."""
+    escaped. Under the heading: ``path`` as code and ``summary`` (text) on the same line, or
+    ``subtitle`` (HTML) instead. Also the page of ``compare`` (:mod:`.compare`)."""
     body = "\n".join(f'<section id="{sid}">\n<h2>{heading}</h2>\n{content}\n</section>'
                      for sid, heading, content in parts)
+    if subtitle is None:
+        subtitle = f"<code>{escaped(path)}</code>" + (f" · {escaped(summary)}" if summary else "")
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{_e(title)}: {_e(path)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n"
-        f"<h1>{_e(title)}</h1>\n<p class=\"subtitle\"><code>{_e(path)}</code>"
-        + (f" · {_e(summary)}" if summary else "") + f"</p>\n{body}\n</main>\n</body>\n</html>\n"
+        f"<title>{escaped(title)}: {escaped(path)}</title>\n<style>{CSS}{extra_css}</style>\n</head>\n<body>\n<main>\n"
+        f"<h1>{escaped(title)}</h1>\n<p class=\"subtitle\">{subtitle}</p>\n{body}\n</main>\n</body>\n</html>\n"
     )
 
 
@@ -114,8 +117,8 @@ def _page(title: str, path: str, parts: Sequence[tuple[str, str, str]], summary:
 def _figure(fig: Figure | None, salt: str, label: str, caption: str) -> str:
     """A chart as an HTML figure with its caption, or a paragraph saying there was no data for it."""
     if fig is None:
-        return f'<p class="nodata">Not enough data for the {_e(label)}.</p>'
-    return f"<figure>\n{charts.to_svg(fig, salt, label)}\n<figcaption>{_e(caption)}</figcaption>\n</figure>"
+        return f'<p class="nodata">Not enough data for the {escaped(label)}.</p>'
+    return f"<figure>\n{charts.to_svg(fig, salt, label)}\n<figcaption>{escaped(caption)}</figcaption>\n</figure>"
 
 
 def _report_charts(report: dict) -> dict[str, str]:
@@ -136,13 +139,13 @@ def _report_charts(report: dict) -> dict[str, str]:
         import matplotlib  # noqa: F401
     except ImportError:
         why = "Charts need matplotlib, which is not installed (pip install matplotlib)"
-        return {k: f'<p class="nodata">{_e(why)}.</p>' for k in captions}
+        return {k: f'<p class="nodata">{escaped(why)}.</p>' for k in captions}
 
     out = {"scale": _figure(charts.scale_figure(series), "scale", "loss scale chart", captions["scale"])}
     fig, note = charts.heatmap_figure(series)
     out["heatmap"] = _figure(fig, "heatmap", "gradient magnitude heatmap", captions["heatmap"] + note)
     fig, reason, note = charts.underflow_figure(layers)
-    out["underflow"] = (f'<p class="nodata">{_e(reason)}</p>' if reason else
+    out["underflow"] = (f'<p class="nodata">{escaped(reason)}</p>' if reason else
                         _figure(fig, "underflow", "underflow rate chart", captions["underflow"] + note))
     fig, note = charts.headroom_figure(layers)
     out["headroom"] = _figure(fig, "headroom", "headroom chart", captions["headroom"] + note)
@@ -153,13 +156,13 @@ def _report_charts(report: dict) -> dict[str, str]:
 
 def _run_section(run: dict) -> str:
     ranks = run.get("ranks")
-    steps = _e(run.get("steps", "—")) + (f" on {_e(ranks)} rank(s)" if ranks is not None else "")
+    steps = escaped(run.get("steps", "—")) + (f" on {escaped(ranks)} rank(s)" if ranks is not None else "")
     return _dl([
-        ("path", f"<code>{_e(run.get('path', ''))}</code>"),
+        ("path", f"<code>{escaped(run.get('path', ''))}</code>"),
         ("steps", steps),
-        ("AMP dtype", f"{_e(run.get('amp_dtype') or '—')} on {_e(run.get('device') or 'unknown device')}"),
-        ("recording level", _e(run.get("level") or "—")),
-        ("scaler", f"<code>{_e(sections.scaler_call(run.get('scaler') or {}))}</code>"),
+        ("AMP dtype", f"{escaped(run.get('amp_dtype') or '—')} on {escaped(run.get('device') or 'unknown device')}"),
+        ("recording level", escaped(run.get("level") or "—")),
+        ("scaler", f"<code>{escaped(sections.scaler_call(run.get('scaler') or {}))}</code>"),
         ("ended cleanly", sections.ended_cleanly(run.get("ended_cleanly"))),
     ])
 
@@ -169,30 +172,30 @@ def _scale_section(scale: dict | None, missing: dict, chart: str) -> str:
     if scale:
         settle = scale.get("settle_step")
         parts.append(_dl([
-            ("initial", _e(scale_str(scale.get("initial")))),
-            ("final", _e(scale_str(scale.get("final")))),
-            ("range", f"{_e(scale_str(scale.get('min')))} … {_e(scale_str(scale.get('max')))}"),
-            ("skipped steps", f"{_e(scale.get('skipped_steps', '—'))} "
-                              f"({_e(percent(scale.get('skipped_fraction')))})"),
-            ("settled by step", "—" if settle is None else _e(settle)),
+            ("initial", escaped(scale_str(scale.get("initial")))),
+            ("final", escaped(scale_str(scale.get("final")))),
+            ("range", f"{escaped(scale_str(scale.get('min')))} … {escaped(scale_str(scale.get('max')))}"),
+            ("skipped steps", f"{escaped(scale.get('skipped_steps', '—'))} "
+                              f"({escaped(percent(scale.get('skipped_fraction')))})"),
+            ("settled by step", "—" if settle is None else escaped(settle)),
         ]))
     parts.append(_placeholder(sections.SCALE, bool(scale), missing))
     return "\n".join([p for p in parts if p] + [_note(sections.missing_note(missing, sections.SCALE)), chart])
 
 
 def _layer_rows(layers: Sequence[dict]) -> list[list[str]]:
-    return [[str(i), _layer_name(layer), _e(layer.get("kind", "")),
-             _e(percent(layer.get("underflow_rate"))), _e(percent(layer.get("zero_rate"))),
-             _e(percent(layer.get("subnormal_rate"))), _e(binades(layer.get("headroom_log2"))),
-             _e(number(layer.get("amax"))), _e(number(layer.get("amin"))),
-             _e(layer.get("observations", "—"))]
+    return [[str(i), _layer_name(layer), escaped(layer.get("kind", "")),
+             escaped(percent(layer.get("underflow_rate"))), escaped(percent(layer.get("zero_rate"))),
+             escaped(percent(layer.get("subnormal_rate"))), escaped(binades(layer.get("headroom_log2"))),
+             escaped(number(layer.get("amax"))), escaped(number(layer.get("amin"))),
+             escaped(layer.get("observations", "—"))]
             for i, layer in enumerate(layers, 1)]
 
 
 def _layer_name(layer: dict) -> str:
     """The layer's name as code, and its module's class after it where the name is only an index."""
     module_type = layer.get("module_type")
-    return f"<code>{_e(layer.get('name', ''))}</code>" + (f" ({_e(module_type)})" if module_type else "")
+    return f"<code>{escaped(layer.get('name', ''))}</code>" + (f" ({escaped(module_type)})" if module_type else "")
 
 
 def _layers_section(layers: Sequence[dict], missing: dict, chart_html: dict[str, str]) -> str:
@@ -212,8 +215,8 @@ def _layers_section(layers: Sequence[dict], missing: dict, chart_html: dict[str,
 def _origins_section(origins: Sequence[dict], missing: dict) -> str:
     parts = [_note(sections.missing_note(missing, sections.ORIGINS))]
     if origins:
-        rows = [[f"<code>{_e(origin_name(o))}</code>", _e(o.get("kind", "")), _e(o.get("rank", "—")),
-                 _e(o.get("count", "—")), _e(o.get("first_step", "—")), _e(o.get("last_step", "—"))]
+        rows = [[f"<code>{escaped(origin_name(o))}</code>", escaped(o.get("kind", "")), escaped(o.get("rank", "—")),
+                 escaped(o.get("count", "—")), escaped(o.get("first_step", "—")), escaped(o.get("last_step", "—"))]
                 for o in origins]
         parts.append(_table(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
                             num=(2, 3, 4, 5), name=(0,)))
@@ -222,7 +225,7 @@ def _origins_section(origins: Sequence[dict], missing: dict) -> str:
 
 
 def _escaped(rows: Iterable[Sequence[str]]) -> list[list[str]]:
-    return [[_e(cell) for cell in row] for row in rows]
+    return [[escaped(cell) for cell in row] for row in rows]
 
 
 def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> str:
@@ -233,10 +236,10 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> s
         verdict = rec.get("verdict")
         target = rec.get("target_dtype")
         text = VERDICTS.get(verdict, verdict or "No verdict.")
-        parts.append(f'<p class="verdict {_attr(verdict or "")}">{_e(text)}'
-                     + (f" (target format {_e(target)})" if target else "") + "</p>")
+        parts.append(f'<p class="verdict {_attr(verdict or "")}">{escaped(text)}'
+                     + (f" (target format {escaped(target)})" if target else "") + "</p>")
         if rec.get("code"):
-            parts.append(f'<pre class="scaler-code"><code class="language-python">{_e(rec["code"])}</code></pre>')
+            parts.append(f'<pre class="scaler-code"><code class="language-python">{escaped(rec["code"])}</code></pre>')
         parts.append('<div class="tables">'
                      + _table(sections.OUTCOME_HEADERS, _escaped(sections.outcome_rows(rec)), num=(1, 2))
                      + _table(sections.SETTINGS_HEADERS, _escaped(sections.settings_rows(current, rec)), num=(1, 2))
@@ -274,8 +277,8 @@ def report_html(report: dict) -> str:
     other = sections.unplaced_notes(missing)
     if other:
         parts.append((sections.NOT_AVAILABLE,
-                      _dl((str(k), f'<span class="missing">{_e(v)}</span>') for k, v in other.items())))
-    return _page("ampdoctor report", run.get("path", ""),
+                      _dl((str(k), f'<span class="missing">{escaped(v)}</span>') for k, v in other.items())))
+    return page("ampdoctor report", run.get("path", ""),
                  [(section.anchor, section.title, content) for section, content in parts],
                  summary=sections.run_summary(run) if run else "")
 
@@ -291,16 +294,16 @@ def postmortem_html(pm: dict) -> str:
                                         "of skipped steps.</p>" + _bullets(pm.get("notes") or []))]
         if pm.get("advice"):
             parts.append(("advice", "Worth a look", _bullets(pm["advice"])))
-        return _page("ampdoctor postmortem", path, parts)
+        return page("ampdoctor postmortem", path, parts)
     origin = pm.get("origin") or {}
-    items = [("cause", f"<strong>{_e(pm.get('cause'))}</strong>"),
-             ("event", _e(pm["event"]["description"]))]
+    items = [("cause", f"<strong>{escaped(pm.get('cause'))}</strong>"),
+             ("event", escaped(pm["event"]["description"]))]
     if origin.get("name"):
-        items.append(("origin", f"<code>{_e(origin['name'])}</code> ({_e(origin.get('kind'))}), step "
-                                f"{_e(origin.get('step'))}, rank {_e(origin.get('rank'))}"))
+        items.append(("origin", f"<code>{escaped(origin['name'])}</code> ({escaped(origin.get('kind'))}), step "
+                                f"{escaped(origin.get('step'))}, rank {escaped(origin.get('rank'))}"))
     timeline = pm.get("timeline") or []
-    rows = [[_e(c) for c in sections.timeline_cells(r)]
-            + [f"<code>{_e(r['max_activation_module'])}</code>" if r["max_activation_module"] else "—"]
+    rows = [[escaped(c) for c in sections.timeline_cells(r)]
+            + [f"<code>{escaped(r['max_activation_module'])}</code>" if r["max_activation_module"] else "—"]
             for r in timeline]
     try:
         chart = _figure(charts.timeline_figure(timeline), "timeline", "timeline chart",
@@ -319,4 +322,4 @@ def postmortem_html(pm: dict) -> str:
     ]
     if pm.get("notes"):
         parts.append(("notes", "Not determined / notes", _bullets(pm["notes"])))
-    return _page("ampdoctor postmortem", path, parts)
+    return page("ampdoctor postmortem", path, parts)

@@ -24,7 +24,7 @@ def _inline(s: object) -> str:
     return _INLINE_SPECIAL.sub(r"\\\1", " ".join(str(s).split()))
 
 
-def _text(s: object) -> str:
+def escaped_text(s: object) -> str:
     """Text from the data that starts a block (a list item, a quote), escaped to render literally."""
     return _LINE_START.sub(_escape_line_start, _inline(s))
 
@@ -35,7 +35,7 @@ def _escape_line_start(m: re.Match) -> str:
     return s + "\\" if s[0].isdigit() else "\\" + s
 
 
-def _code(s: object, *, in_table: bool = True) -> str:
+def code_span(s: object, *, in_table: bool = True) -> str:
     """``s`` as an inline code span: a fence longer than any backtick run inside it, and ``|``
     escaped in tables (GFM splits cells before it parses code spans)."""
     flat = " ".join(str(s).split())
@@ -54,7 +54,7 @@ def _fence(code: str, lang: str = "") -> list[str]:
     return [f"{fence}{lang}", code.rstrip("\n"), fence]
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Iterable[int] = (),
+def table_lines(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Iterable[int] = (),
            code: Iterable[int] = ()) -> list[str]:
     """A GFM table of raw values, escaped here: ``code`` columns (names) as code spans, the others
     as text (``2**16`` twice in a cell would otherwise turn bold). ``right``: numeric columns."""
@@ -64,12 +64,12 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Iter
     for row in rows:
         if len(row) != len(headers):
             raise ValueError(f"table row has {len(row)} cells, header has {len(headers)}")
-        cells = [_code(c) if i in code else _inline(c) for i, c in enumerate(row)]
+        cells = [code_span(c) if i in code else _inline(c) for i, c in enumerate(row)]
         lines.append("| " + " | ".join(c or " " for c in cells) + " |")
     return lines
 
 
-def _bullets(items: Iterable[object]) -> list[str]:
+def bullet_lines(items: Iterable[object]) -> list[str]:
     return [f"- {_prose(item)}" for item in items]
 
 
@@ -78,7 +78,7 @@ def _prose(s: object) -> str:
     out = []
     for i, (piece, is_code) in enumerate(code_spans(" ".join(str(s).split()))):
         if is_code:
-            out.append(_code(piece, in_table=False))
+            out.append(code_span(piece, in_table=False))
         else:  # escaped as _inline does, keeping the spaces next to the code spans
             escaped = _INLINE_SPECIAL.sub(r"\\\1", piece)
             out.append(_LINE_START.sub(_escape_line_start, escaped) if i == 0 else escaped)
@@ -92,7 +92,7 @@ def _field(label: str, value: object) -> str:
 
 def _note(message: str | None) -> list[str]:
     """A note from the data (why a section is missing) as a quote."""
-    return ["", f"> {_text(message)}"] if message else []
+    return ["", f"> {escaped_text(message)}"] if message else []
 
 
 def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
@@ -110,17 +110,17 @@ def _layer_table(layers: Sequence[dict]) -> list[str]:
              binades(layer.get("headroom_log2")),
              number(layer.get("amax")), number(layer.get("amin")), layer.get("observations", "—")]
             for i, layer in enumerate(layers, 1)]
-    return _table(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2))
+    return table_lines(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2))
 
 
 def _run_section(run: dict) -> list[str]:
     ranks = run.get("ranks")
     return [
-        f"- **path**: {_code(run.get('path', ''), in_table=False)}",
+        f"- **path**: {code_span(run.get('path', ''), in_table=False)}",
         _field("steps", f"{run.get('steps', '—')}" + (f" on {ranks} rank(s)" if ranks is not None else "")),
         _field("AMP dtype", f"{run.get('amp_dtype') or '—'} on {run.get('device') or 'unknown device'}"),
         _field("recording level", run.get("level") or "—"),
-        f"- **scaler**: {_code(sections.scaler_call(run.get('scaler') or {}), in_table=False)}",
+        f"- **scaler**: {code_span(sections.scaler_call(run.get('scaler') or {}), in_table=False)}",
         _field("ended cleanly", sections.ended_cleanly(run.get("ended_cleanly"))),
     ]
 
@@ -153,7 +153,7 @@ def _origins_section(origins: Sequence[dict], missing: dict) -> list[str]:
     if origins:
         rows = [[origin_name(o), o.get("kind", ""), o.get("rank", "—"), o.get("count", "—"),
                  o.get("first_step", "—"), o.get("last_step", "—")] for o in origins]
-        lines += _table(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
+        lines += table_lines(["layer", "kind", "rank", "overflows", "first step", "last step"], rows,
                         right=(2, 3, 4, 5), code=(0, 1))
     return lines + _unless_data(sections.ORIGINS, bool(origins), missing)
 
@@ -168,11 +168,11 @@ def _recommendation_section(rec: dict | None, current: dict, missing: dict) -> l
                   + (f" (target format {_inline(target)})" if target else ""), ""]
         if rec.get("code"):
             lines += _fence(rec["code"], "python") + [""]
-        lines += _table(sections.OUTCOME_HEADERS, sections.outcome_rows(rec), right=(1, 2))
-        lines += [""] + _table(sections.SETTINGS_HEADERS, sections.settings_rows(current, rec), right=(1, 2),
+        lines += table_lines(sections.OUTCOME_HEADERS, sections.outcome_rows(rec), right=(1, 2))
+        lines += [""] + table_lines(sections.SETTINGS_HEADERS, sections.settings_rows(current, rec), right=(1, 2),
                                code=(0,))
         if rec.get("reasons"):
-            lines += ["", "### Reasons", ""] + _bullets(rec["reasons"])
+            lines += ["", "### Reasons", ""] + bullet_lines(rec["reasons"])
     return lines + _unless_data(sections.RECOMMENDATION, bool(rec), missing)
 
 
@@ -185,12 +185,12 @@ def report_markdown(report: dict) -> str:
     rec = report.get("recommendation")
     content = {
         sections.RECOMMENDATION: _recommendation_section(rec, run.get("scaler") or {}, missing),
-        sections.ADVICE: _bullets((rec or {}).get("advice") or []) or [sections.ADVICE.empty],
+        sections.ADVICE: bullet_lines((rec or {}).get("advice") or []) or [sections.ADVICE.empty],
         sections.SCALE: _scale_section(report.get("scale"), missing),
         sections.LAYERS: _layers_section(report.get("layers") or [], missing),
         sections.ORIGINS: _origins_section(report.get("overflow_origins") or [], missing),
         sections.RUN: _run_section(run),
-        sections.WARNINGS: _bullets(report.get("warnings") or []) or [sections.WARNINGS.empty],
+        sections.WARNINGS: bullet_lines(report.get("warnings") or []) or [sections.WARNINGS.empty],
     }
     parts = [(section, content[section]) for section in sections.REPORT_ORDER]
     other = sections.unplaced_notes(missing)
@@ -198,7 +198,7 @@ def report_markdown(report: dict) -> str:
         parts.append((sections.NOT_AVAILABLE, [_field(_inline(k), v) for k, v in other.items()]))
     lines = ["# ampdoctor report", ""]
     if run:
-        lines.append(f"{_code(run.get('path', ''), in_table=False)}: {_inline(sections.run_summary(run))}")
+        lines.append(f"{code_span(run.get('path', ''), in_table=False)}: {_inline(sections.run_summary(run))}")
     for section, body in parts:
         lines += ["", f"## {section.title}", ""] + body
     return "\n".join(lines) + "\n"
@@ -211,10 +211,10 @@ def simulate_markdown(sim: dict) -> str:
     runs = [sim] + ([actual] if actual else [])
     right = range(1, len(cols) + 1)
     lines = ["# ampdoctor simulate", "",
-             _text(f"{sim.get('steps', '—')} recorded steps replayed in "
+             escaped_text(f"{sim.get('steps', '—')} recorded steps replayed in "
                    f"{sim.get('target_dtype') or '—'}."),
              "", "## Settings", ""]
-    lines += _table(["setting"] + cols,
+    lines += table_lines(["setting"] + cols,
                     [[k] + [setting(k, (r.get("config") or {}).get(k)) for r in runs]
                      for k in SCALER_KEYS + REPLAY_KEYS],
                     right=right, code=(0,))
@@ -224,25 +224,25 @@ def simulate_markdown(sim: dict) -> str:
         ["underflow rate"] + [underflow(r) for r in runs],
     ] + [[f"{which} scale"] + [scale_str((r.get("scale") or {}).get(which)) for r in runs]
          for which in ("final", "min", "max")]
-    lines += ["", "## Outcome", ""] + _table([" "] + cols, outcome, right=right)
+    lines += ["", "## Outcome", ""] + table_lines([" "] + cols, outcome, right=right)
     uncertain = sim.get("uncertain_steps")
     if uncertain:
         lines += ["", f"{uncertain} step(s) were too close to the overflow threshold to call either way."]
     threshold = sim.get("threshold") or {}
     if threshold.get("overflow_log2") is not None:
-        lines += ["", _text(f"Overflow threshold: scaled magnitudes above "
+        lines += ["", escaped_text(f"Overflow threshold: scaled magnitudes above "
                             f"2**{threshold['overflow_log2']:.6g} "
                             f"({threshold.get('source') or 'unknown source'}).")]
     lines += ["", "## Layers", ""]
     layers = sim.get("layers") or []
     if layers:
-        lines += _table(["layer", "kind", "underflow"],
+        lines += table_lines(["layer", "kind", "underflow"],
                         [[layer.get("name", ""), layer.get("kind", ""), underflow(layer)]
                          for layer in layers], right=(2,), code=(0, 1))
     else:
         lines.append("No per-layer statistics.")
     if sim.get("notes"):
-        lines += ["", "## Notes", ""] + _bullets(sim["notes"])
+        lines += ["", "## Notes", ""] + bullet_lines(sim["notes"])
     return "\n".join(lines) + "\n"
 
 
@@ -251,37 +251,37 @@ def layers_markdown(layers: dict) -> str:
     rows = layers.get("layers") or []
     lines = ["# ampdoctor layers", ""]
     if rows:
-        lines += [_text(f"Sorted by {layers.get('sort') or 'underflow'}."), ""] + _layer_table(rows)
+        lines += [escaped_text(f"Sorted by {layers.get('sort') or 'underflow'}."), ""] + _layer_table(rows)
     elif not layers.get("missing"):
         lines.append("No per-layer statistics.")
     if layers.get("missing"):
-        lines += ["", f"> {_text(layers['missing'])}"]
+        lines += ["", f"> {escaped_text(layers['missing'])}"]
     return "\n".join(lines) + "\n"
 
 
 def postmortem_markdown(pm: dict) -> str:
     """``ampdoctor postmortem --format md``."""
     run = pm.get("run") or {}
-    out = ["# ampdoctor postmortem", "", f"- **run**: {_code(run.get('path', ''), in_table=False)}", ""]
+    out = ["# ampdoctor postmortem", "", f"- **run**: {code_span(run.get('path', ''), in_table=False)}", ""]
     if pm.get("status") == "healthy":
         out += ["**healthy**: no non-finite loss, parameter or run of skipped steps.", ""]
         if pm.get("advice"):
-            out += ["## Worth a look", ""] + _bullets(pm["advice"]) + [""]
-        out += _bullets(pm.get("notes") or [])
+            out += ["## Worth a look", ""] + bullet_lines(pm["advice"]) + [""]
+        out += bullet_lines(pm.get("notes") or [])
         return "\n".join(out).rstrip() + "\n"
     origin = pm.get("origin") or {}
     out += [f"**Cause: {_inline(pm.get('cause'))}**", "", _field("event", pm["event"]["description"])]
     if origin.get("name"):
-        out.append(f"- **origin**: {_code(origin['name'], in_table=False)} ({_inline(origin.get('kind'))}), "
+        out.append(f"- **origin**: {code_span(origin['name'], in_table=False)} ({_inline(origin.get('kind'))}), "
                    f"step {_inline(origin.get('step'))}, rank {_inline(origin.get('rank'))}")
     out.append("")
     if pm.get("advice"):  # the answer before the evidence, as in the HTML page
-        out += ["## What to change", ""] + [f"{i}. {_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]
+        out += ["## What to change", ""] + [f"{i}. {escaped_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]
     if pm.get("timeline"):
         rows = [sections.timeline_cells(r) + [r["max_activation_module"] or "—"] for r in pm["timeline"]]
         out += ["## Steps before the event", ""]
-        out += _table(sections.TIMELINE_HEADERS, rows, right=(0, 1, 3, 4, 5), code=(6,))
+        out += table_lines(sections.TIMELINE_HEADERS, rows, right=(0, 1, 3, 4, 5), code=(6,))
         out.append("")
     if pm.get("notes"):
-        out += ["## Not determined / notes", ""] + _bullets(pm["notes"]) + [""]
+        out += ["## Not determined / notes", ""] + bullet_lines(pm["notes"]) + [""]
     return "\n".join(out).rstrip() + "\n"
