@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .analysis.scaler_config import ScalerConfig
+from .analysis.scaler_config import TORCH_SETTINGS, ScalerConfig
 from .errors import AmpdoctorError
-from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCALER_SETTINGS, SCENARIOS
+from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 
 STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
 
@@ -131,7 +131,7 @@ def scaler_settings(scenario: str, **overrides: float | None) -> dict[str, float
     (``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``) in their place."""
     if scenario not in SCENARIOS:
         raise DemoError(f"unknown scenario {scenario!r}: choose one of {', '.join(SCENARIOS)}")
-    unknown = set(overrides) - set(SCALER_SETTINGS)
+    unknown = set(overrides) - set(TORCH_SETTINGS)
     if unknown:
         raise DemoError(f"not a GradScaler setting: {', '.join(sorted(unknown))}")
     cfg = SCENARIOS[scenario]
@@ -155,7 +155,7 @@ def recommended_settings(run: str | os.PathLike, run_id: str | None = None) -> d
     recommendation = report_data(read_run(run, run_id))["recommendation"]
     if recommendation is None:
         raise DemoError(f"{os.fspath(run)}: its report has no recommendation (too few steps) to train with")
-    return {key: recommendation[key] for key in SCALER_SETTINGS}
+    return {key: recommendation[key] for key in TORCH_SETTINGS}
 
 
 def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy", steps: int | None = None,

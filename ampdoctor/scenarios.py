@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 DEFAULT_PATH = "ampdoctor-demo.parquet"
 CPU_STEPS, CUDA_STEPS = 150, 500
-# The GradScaler settings a scenario fixes and ``ampdoctor demo`` can replace (--init-scale, ...).
-SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,9 @@ from .findings import Finding
 from .replay import actual_outcome
 from .report import report_data
 from .run_analysis import Analysis, analyse
+from .scaler_config import TORCH_SETTINGS
 
-SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+SETTINGS = TORCH_SETTINGS      # GradScaler's four keywords
 SETTING_TOLERANCE = 1e-6       # relative: 65536.0 and 65536.00000001 are the same setting
 SKIPPED_SLACK_STEPS = 1        # skipped steps within this many of the prediction hold
 REPLAY_FORMAT = "float16"      # the format the replay predicts for (analysis/run_analysis.py's target)
@@ -115,17 +116,18 @@ def _underflow(side: dict) -> dict:
 
 def _change(a: dict, b: dict) -> dict:
     """B minus A."""
-    def minus(x, y):
-        return None if x is None or y is None else y - x
-
     def log2(x):
         return math.log2(x) if x else None
 
     return {"skipped_steps": b["skipped_steps"] - a["skipped_steps"],
             "skipped_fraction": b["skipped_fraction"] - a["skipped_fraction"],
-            "underflow_rate_min": minus(a["underflow_rate_min"], b["underflow_rate_min"]),
-            "underflow_rate_max": minus(a["underflow_rate_max"], b["underflow_rate_max"]),
-            "final_scale_log2": minus(log2(a["scale"]["final"]), log2(b["scale"]["final"]))}
+            "underflow_rate_min": _b_minus_a(a["underflow_rate_min"], b["underflow_rate_min"]),
+            "underflow_rate_max": _b_minus_a(a["underflow_rate_max"], b["underflow_rate_max"]),
+            "final_scale_log2": _b_minus_a(log2(a["scale"]["final"]), log2(b["scale"]["final"]))}
+
+
+def _b_minus_a(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
 
 
 # -- the prediction check ------------------------------------------------------------------------
@@ -223,9 +225,7 @@ def join_layers(layers_a: list[dict], layers_b: list[dict]) -> list[dict]:
 
 
 def _minus(a: dict | None, b: dict | None, field: str) -> float | None:
-    if a is None or b is None or a[field] is None or b[field] is None:
-        return None
-    return b[field] - a[field]
+    return _b_minus_a(a[field] if a else None, b[field] if b else None)
 
 
 def _worst_first(layer: dict) -> tuple:

@@ -62,9 +62,7 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     """Read a run and derive the step series, the layer scan and the calibrated replay."""
     run = run if isinstance(run, Run) else read_run(run)
     meta = run.metadata
-    amp = _format(meta.get(META_AMP_DTYPE))
-    min_exp = _meta_int(meta, META_HIST_MIN_EXP, HIST_MIN_EXP)
-    bins = _meta_int(meta, META_HIST_BINS, HIST_BINS)
+    amp, min_exp, bins = recorded_binning(meta)
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)
     own_warnings: list[Finding] = []
     scan.step_rows = _with_valid_scale(scan.step_rows, own_warnings)
@@ -83,9 +81,19 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     return Analysis(run, amp, target, series, scan, prepared, current, level, own_warnings)
 
 
-def _meta_int(meta: dict[str, str], key: str, default: int) -> int:
-    value = meta_number(meta.get(key))
-    return default if value is None else int(value)
+def recorded_binning(meta: dict[str, str]) -> tuple[FloatFormat, int, int]:
+    """The run's AMP format and its histograms' ``min_exp`` and ``bins``, from the metadata; the
+    defaults (float16, the schema's binning) where a value is absent or unusable."""
+    def integer(key: str, default: int) -> int:
+        value = meta_number(meta.get(key))
+        return default if value is None else int(value)
+
+    name = meta.get(META_AMP_DTYPE)
+    try:
+        amp = float_format(name) if name else FLOAT16
+    except ValueError:
+        amp = FLOAT16
+    return amp, integer(META_HIST_MIN_EXP, HIST_MIN_EXP), integer(META_HIST_BINS, HIST_BINS)
 
 
 def _with_valid_scale(step_rows: pa.Table, warnings: list) -> pa.Table:
@@ -100,13 +108,6 @@ def _with_valid_scale(step_rows: pa.Table, warnings: list) -> pa.Table:
         warnings.append(Finding("step_rows_without_scale", {"rows": bad}))
         step_rows = step_rows.filter(valid)
     return step_rows
-
-
-def _format(name: str | None) -> FloatFormat:
-    try:
-        return float_format(name) if name else FLOAT16
-    except ValueError:
-        return FLOAT16
 
 
 def _module_ratio(series: StepSeries, scan: LayerScan) -> float | None:

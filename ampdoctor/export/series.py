@@ -32,9 +32,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..analysis.layer_scan import LAYER_KINDS, hist_matrix, scan_step_rows
-from ..formats import FLOAT16, FloatFormat, float_format
+from ..analysis.run_analysis import recorded_binning
+from ..formats import FloatFormat
 from ..run import Run
-from ..schema import HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE, META_HIST_BINS, META_HIST_MIN_EXP, meta_number
 
 STEP_TAGS = ("steps/scale", "steps/skipped", "steps/skipped_total", "steps/loss", "steps/grad_norm")
 UNDERFLOW_MIN, UNDERFLOW_MAX = "underflow_min", "underflow_max"
@@ -70,14 +70,8 @@ class HistogramLayout:
 
 
 def layout(run: Run) -> HistogramLayout:
-    meta = run.metadata
-    min_exp, bins = meta_number(meta.get(META_HIST_MIN_EXP)), meta_number(meta.get(META_HIST_BINS))
-    try:
-        amp = float_format(meta[META_AMP_DTYPE]) if meta.get(META_AMP_DTYPE) else FLOAT16
-    except ValueError:
-        amp = FLOAT16
-    return HistogramLayout(HIST_MIN_EXP if min_exp is None else int(min_exp),
-                           HIST_BINS if bins is None else int(bins), amp)
+    amp, min_exp, bins = recorded_binning(run.metadata)
+    return HistogramLayout(min_exp, bins, amp)
 
 
 def step_scalars(run: Run) -> dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
