@@ -35,7 +35,13 @@ def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
     module, attribute = _LAZY[name]
-    value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+    try:
+        value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+    except ImportError as exc:
+        from .dependencies import dependency_error, is_ours
+        if is_ours(exc):
+            raise
+        raise dependency_error(exc) from exc  # one line naming the conflict, not pyarrow's traceback alone
     globals()[name] = value  # once: later lookups are plain attribute reads
     return value
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 from . import __version__
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
+from .dependencies import import_problem, is_ours
 from .errors import AmpdoctorError, one_line
 
 
@@ -42,6 +43,9 @@ def library_errors(fn):
         except Exception as exc:  # noqa: BLE001 - a bug of ours still gets one line, not a traceback
             if _show_tracebacks():
                 raise
+            if isinstance(exc, ImportError) and not is_ours(exc):
+                # The environment, not a bug: a dependency missing or broken; say what to change.
+                raise CliError(import_problem(exc)) from None
             raise CliError(one_line(f"internal error: {type(exc).__name__}: {exc} (a bug in ampdoctor; "
                                     f"please report it; --traceback or {DEBUG_VARIABLE}=1 shows where)")) from None
 

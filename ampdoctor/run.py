@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import RunError, one_line
+from .hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
 from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
                      META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
                      META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION, meta_number)
@@ -38,6 +39,7 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     _frame: pd.DataFrame | None = field(default=None, repr=False)
     _bad_segments: set = field(default_factory=set, repr=False)  # paths whose data failed to read
+    _too_old: str | None = field(default=None, repr=False)  # why the installed pyarrow cannot read one
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -119,8 +121,8 @@ class Run:
                     if segment.until is not None:
                         batch = batch.filter(pc.less(batch.column("step"), segment.until))
                     if batch.num_rows:
-                        yield _with_columns(batch, columns)
-            except (pa.ArrowException, OSError) as exc:
+                        yield _with_columns(batch, columns, segment.hist_bins)
+            except (pa.ArrowException, OSError, BadHistogram) as exc:
                 self._unreadable(segment, exc)
         self._check_readable()
 
@@ -144,23 +146,32 @@ class Run:
             present = None if columns is None else [
                 c for c in columns if c in pq.read_schema(segment.path).names]
             table = pq.read_table(segment.path, columns=present, filters=filters or None)
-        except (pa.ArrowException, OSError) as exc:
+            table = table.replace_schema_metadata(None)
+            return _with_columns(table, table.column_names if columns is None else columns, segment.hist_bins)
+        except (pa.ArrowException, OSError, BadHistogram) as exc:
             self._unreadable(segment, exc)
             return None
-        table = table.replace_schema_metadata(None)
-        return table if columns is None else _with_columns(table, columns)
 
     def _unreadable(self, segment: Segment, exc: BaseException) -> None:
-        """A segment whose data pages failed to read (its footer was fine): skipped, with a warning."""
+        """A segment whose data pages failed to read (its footer was fine): skipped, with a
+        warning that says whether the file is damaged or the installed pyarrow too old for it."""
         self._bad_segments.add(segment.path)
-        self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+        too_old = pyarrow_too_old_for(exc)
+        if too_old is not None:
+            self._too_old = self._too_old or too_old
+            self._warn_once(f"skipped segment {segment.path.name}: {too_old}")
+        else:
+            self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
 
     def _check_readable(self) -> None:
         """Every segment failed to read: this is no readable run (a partial one is reported)."""
         with_rows = {s.path for s in self.segments if s.rows}
-        if with_rows and with_rows <= self._bad_segments:
-            raise RunError(one_line(f"{self.path}: no readable segments (the data of every segment is damaged: "
-                                    f"{'; '.join(self.warnings[-3:])})"))
+        if not with_rows or not with_rows <= self._bad_segments:
+            return
+        if self._too_old:  # the files are fine: name the fix, not damage
+            raise RunError(one_line(f"{self.path}: {self._too_old}"))
+        raise RunError(one_line(f"{self.path}: no readable segments (the data of every segment is damaged: "
+                                f"{'; '.join(self.warnings[-3:])})"))
 
     def _warn_once(self, message: str) -> None:
         message = one_line(message)
@@ -332,11 +343,20 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
     return frame
 
 
-def _with_columns(data, columns: Sequence[str]):
-    """``data`` with exactly ``columns``, in that order; a column an older segment lacks is null."""
+def _with_columns(data, columns: Sequence[str], hist_bins: int):
+    """``data`` with exactly ``columns``, in that order, in the current schema's types (``hist``
+    checked to hold ``hist_bins`` counts a row); a column an older segment lacks is null."""
     n = data.num_rows
-    arrays = [_as_type(data.column(c), COLUMN_TYPES[c]) if c in data.column_names
-              else pa.nulls(n, COLUMN_TYPES[c]) for c in columns]
+    def column(name: str):
+        if name not in data.column_names:
+            return pa.nulls(n, COLUMN_TYPES[name])
+        if name == "hist":
+            return as_hist_column(data.column(name), hist_bins)
+        if name not in COLUMN_TYPES:  # another tool's extra column, as it is
+            return data.column(name)
+        return _as_type(data.column(name), COLUMN_TYPES[name])
+
+    arrays = [column(c) for c in columns]
     cls = pa.RecordBatch if isinstance(data, pa.RecordBatch) else pa.Table
     return cls.from_arrays(arrays, names=list(columns))
 

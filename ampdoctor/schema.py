@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+from .hist_column import HIST_TYPE
+
+# 2: `hist` is a variable-length list<int32> (version 1: fixed_size_list<int32>[bins], which
+# pyarrow before 26 cannot read back with null rows; hist_column.py says why).
+SCHEMA_VERSION = 2
 
 # Binade histogram defaults: bin i counts floor(log2|g|) == HIST_MIN_EXP + i, clamped at both ends.
 # 2^-56 .. 2^7 covers every true gradient that fp16 can hold at any scale up to 2^32.
@@ -74,7 +78,7 @@ def meta_number(text: str | None) -> int | float | None:
 _STRING = pa.dictionary(pa.int32(), pa.string())
 
 
-def run_schema(hist_bins: int = HIST_BINS, metadata: dict[str, str] | None = None) -> pa.Schema:
+def run_schema(metadata: dict[str, str] | None = None) -> pa.Schema:
     """The Arrow schema of one segment; ``metadata`` becomes the file's key-value metadata."""
     fields = [
         pa.field("step", pa.int64(), nullable=False),
@@ -95,7 +99,8 @@ def run_schema(hist_bins: int = HIST_BINS, metadata: dict[str, str] | None = Non
         pa.field("n_subnormal", pa.int64()),
         pa.field("n_nan", pa.int64()),
         pa.field("n_inf", pa.int64()),
-        pa.field("hist", pa.list_(pa.int32(), hist_bins)),
+        # `hist.bins` counts per full row (the metadata says how many), null on light rows.
+        pa.field("hist", HIST_TYPE),
         # Zeros lying in an all-zero row or column (structure, not underflow; stats.zero_line_elements).
         # Null on light rows and in runs written before it existed.
         pa.field("n_zero_lines", pa.int64()),

@@ -19,9 +19,10 @@ import pyarrow.parquet as pq
 from . import __version__
 from .errors import RunError
 from .formats import FORMATS
+from .hist_column import is_hist_type
 from .schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_STEPS, META_GROWTH_FACTOR,
                      META_GROWTH_INTERVAL, META_HIST_BINS, META_HIST_MIN_EXP, META_INIT_SCALE, META_LEVEL,
-                     META_SCHEMA_VERSION, META_WORLD_SIZE, SCHEMA_VERSION, run_schema)
+                     META_SCHEMA_VERSION, META_WORLD_SIZE, SCHEMA_VERSION, HIST_BINS, meta_number, run_schema)
 
 MAGIC = b"PAR1"  # the first and last four bytes of every Parquet file
 COLUMN_TYPES = {f.name: f.type for f in run_schema()}
@@ -36,6 +37,13 @@ class Segment:
     metadata: dict[str, str]
     steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
     until: int | None = None  # rows from this step on were superseded by a later process (read_run)
+
+    @property
+    def hist_bins(self) -> int:
+        """Counts per histogram: the ``hist.bins`` metadata (checked against a version 1 column's
+        own size when read), else the default."""
+        bins = meta_number(self.metadata.get(META_HIST_BINS))
+        return bins if isinstance(bins, int) else HIST_BINS
 
 
 class BadSegment(Exception):
@@ -99,7 +107,8 @@ def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str], tupl
                        f"{__version__} reads up to version {SCHEMA_VERSION}; upgrade ampdoctor")
     text = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in meta.items()}
     hist = schema.field("hist").type if "hist" in schema.names else None
-    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else None
+    # Version 1's fixed-size lists carry their size in the type; version 2's, its statistics.
+    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else _list_size(footer, schema)
     return footer.num_rows, text, _step_span(footer, schema), bins
 
 
@@ -115,7 +124,7 @@ def _schema_problem(schema: pa.Schema) -> str | None:
             continue
         ok = _same_kind(field.type, expected)
         if field.name == "hist":
-            ok = pa.types.is_fixed_size_list(field.type) and field.type.value_type == pa.int32()
+            ok = is_hist_type(field.type)
         if not ok:
             return f"column {field.name} is {field.type}, not {expected}"
     return None
@@ -179,6 +188,28 @@ def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tup
     if hist_bins is not None:
         out[META_HIST_BINS] = str(hist_bins)
     return out, ignored
+
+
+def _list_size(footer: pq.FileMetaData, schema: pa.Schema) -> int | None:
+    """The counts per histogram of a version 2 ``hist`` column, from its statistics: a row group's
+    non-null leaf values over its non-null rows (a null row is one null leaf slot). None when a
+    row group has no statistics, no histogram, or counts that do not divide evenly."""
+    if "hist" not in schema.names:
+        return None
+    leaf = next((i for i in range(footer.num_columns)
+                 if footer.schema.column(i).path.split(".", 1)[0] == "hist"), None)
+    sizes = set()
+    for g in range(footer.num_row_groups if leaf is not None else 0):
+        group = footer.row_group(g)
+        stats = group.column(leaf).statistics
+        if stats is None or not stats.has_null_count:
+            return None
+        full = group.num_rows - stats.null_count
+        if full > 0:
+            if stats.num_values % full:
+                return None
+            sizes.add(stats.num_values // full)
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _step_span(footer: pq.FileMetaData, schema: pa.Schema) -> tuple[int, int] | None:

@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .hist_column import hist_array
 from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
 
 _CLOSE = object()   # shutdown sentinel
@@ -75,12 +76,12 @@ class Columns:
             self.data.setdefault(key, []).append(values)
         self.rows += n
 
-    def to_table(self, schema: pa.Schema) -> pa.Table:
+    def to_table(self, schema: pa.Schema, hist_bins: int) -> pa.Table:
         arrays = []
         for f in schema:
             parts = self.data.get(f.name, [])
             if f.name == "hist":
-                arrays.append(_hist_array(parts, f.type))
+                arrays.append(hist_array(parts, hist_bins))
             elif pa.types.is_list(f.type):  # object blocks of int lists or None
                 values = np.concatenate(parts) if parts else np.array([], dtype=object)
                 arrays.append(pa.array(values.tolist(), type=f.type))
@@ -95,22 +96,6 @@ class Columns:
                     values = np.array([0 if v is None else v for v in values])
                 arrays.append(pa.array(values, type=f.type, mask=mask))
         return pa.Table.from_arrays(arrays, schema=schema)
-
-
-def _hist_array(parts: list[np.ndarray], type_: pa.FixedSizeListType) -> pa.Array:
-    """``parts`` are 2-D int32 blocks, or 1-D object blocks of None for rows without a histogram."""
-    bins = type_.list_size
-    flat, valid = [], []
-    for block in parts:
-        if block.ndim == 2:
-            flat.append(block.reshape(-1))
-            valid.append(np.ones(len(block), dtype=bool))
-        else:
-            flat.append(np.zeros(len(block) * bins, dtype=np.int32))
-            valid.append(np.zeros(len(block), dtype=bool))
-    values = pa.array(np.concatenate(flat) if flat else np.array([], np.int32), type=pa.int32())
-    mask = pa.array(~np.concatenate(valid)) if valid else None
-    return pa.FixedSizeListArray.from_arrays(values, bins, mask=mask)
 
 
 class RunWriter:
@@ -340,7 +325,7 @@ class RunWriter:
         metadata = dict(self._metadata())
         metadata.update({META_WRITER: self.writer_id, META_SEGMENT: str(self._segment),
                          META_FINAL: "true" if final else "false", META_RANK: str(self.rank)})
-        table = self._pending.to_table(run_schema(self._hist_bins, metadata))
+        table = self._pending.to_table(run_schema(metadata), self._hist_bins)
         self.path.mkdir(parents=True, exist_ok=True)
         name = f"part-r{self.rank:05d}-{self.writer_id}-{self._segment:06d}.parquet"
         tmp = self.path / f".{name}.tmp"

@@ -6,6 +6,7 @@ its wall time and peak resident memory (``ru_maxrss`` of the child). Prints a ta
 
     python benchmarks/report_speed.py                  # 1 M and 10 M rows, 4 ranks
     python benchmarks/report_speed.py --rows 1000000   # one size
+    python benchmarks/report_speed.py --schema-version 1 --json /tmp/v1.json   # the old hist encoding
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ampdoctor import __version__
+from ampdoctor.hist_column import hist_array
 from ampdoctor.schema import HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION, META_SEGMENT, META_VERSION, \
     META_WRITER, SCHEMA_VERSION, run_schema
 
@@ -33,7 +35,7 @@ PARAMS = 99            # parameter rows per step and rank (+1 step row: 100 rows
 STEPS_PER_SEGMENT = 500
 
 
-def write_synthetic_run(path: Path, rows: int, ranks: int, seed: int = 0) -> int:
+def write_synthetic_run(path: Path, rows: int, ranks: int, seed: int = 0, version: int = SCHEMA_VERSION) -> int:
     """A run of about ``rows`` rows; returns the number of steps. Gradients shrink slowly, the
     scale grows every 2000 steps and backs off on a few injected overflows."""
     rng = np.random.default_rng(seed)
@@ -57,8 +59,8 @@ def write_synthetic_run(path: Path, rows: int, ranks: int, seed: int = 0) -> int
         writer = f"bench{rank}"
         for seg, start in enumerate(range(0, steps, STEPS_PER_SEGMENT)):
             stop = min(steps, start + STEPS_PER_SEGMENT)
-            table = _segment(rng, names, numel, scale, skipped, start, stop, rank)
-            meta = {META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_VERSION: __version__, "torch.version": "bench",
+            table = _segment(rng, names, numel, scale, skipped, start, stop, rank, version)
+            meta = {META_SCHEMA_VERSION: str(version), META_VERSION: __version__, "torch.version": "bench",
                     "scaler.class": "torch.amp.GradScaler", "scaler.enabled": "true", "scaler.init_scale": "65536.0",
                     "scaler.growth_factor": "2.0", "scaler.backoff_factor": "0.5", "scaler.growth_interval": "2000",
                     "amp.dtype": "float16", "device": "cuda", "world_size": str(ranks),
@@ -70,7 +72,7 @@ def write_synthetic_run(path: Path, rows: int, ranks: int, seed: int = 0) -> int
     return steps
 
 
-def _segment(rng, names, numel, scale, skipped, start, stop, rank) -> pa.Table:
+def _segment(rng, names, numel, scale, skipped, start, stop, rank, version) -> pa.Table:
     n_steps = stop - start
     p = len(names)
     per_step = p + 1
@@ -105,11 +107,14 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank) -> pa.Table:
         "l2": pa.array(amax * 30, pa.float32()),
         "n_zero": pa.array(zeros, pa.int64()), "n_subnormal": pa.array(zeros // 2, pa.int64()),
         "n_nan": pa.array(np.zeros(n, np.int64)), "n_inf": pa.array(np.where(sk, 1, 0), pa.int64()),
-        "hist": pa.FixedSizeListArray.from_arrays(pa.array(hist.ravel(), pa.int32()), HIST_BINS),
+        "hist": (hist_array([hist], HIST_BINS) if version == 2 else
+                 pa.FixedSizeListArray.from_arrays(pa.array(hist.ravel(), pa.int32()), HIST_BINS)),
         "n_zero_lines": pa.array(np.zeros(n, np.int64)),
         "call": pa.nulls(n, pa.int32()), "parent": pa.nulls(n, pa.int32()),
         "inputs": pa.nulls(n, pa.list_(pa.int32())),
     }
+    if version == 1:  # schema version 1's fixed-size histograms, for comparison
+        schema = schema.set(schema.get_field_index("hist"), pa.field("hist", columns["hist"].type))
     return pa.table([columns[f.name] for f in schema], schema=schema)
 
 
@@ -141,6 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--schema-version", type=int, choices=[1, SCHEMA_VERSION], default=SCHEMA_VERSION,
+                        help="the hist encoding written: 1 (fixed-size lists) for comparison")
     parser.add_argument("--json", default="benchmarks/results/report_speed.json")
     args = parser.parse_args()
     results = []
@@ -148,12 +155,13 @@ def main() -> None:
         for rows in args.rows:
             path = Path(tmp) / f"run{rows}.parquet"
             t = time.perf_counter()
-            steps = write_synthetic_run(path, rows, args.ranks)
+            steps = write_synthetic_run(path, rows, args.ranks, version=args.schema_version)
             written = time.perf_counter() - t
             size = sum(f.stat().st_size for f in path.iterdir())
             for command in ("report", "postmortem"):
                 m = measure(path, command)
-                results.append({"command": command, "rows": rows, "ranks": args.ranks, "steps": steps,
+                results.append({"command": command, "schema_version": args.schema_version, "rows": rows,
+                                "ranks": args.ranks, "steps": steps,
                                 "size_mib": size / 2**20, "write_seconds": written, **m})
     print(f"{'command':<11} {'rows':>12} {'ranks':>5} {'steps':>7} {'on disk':>9} {'time':>8} {'peak RSS':>10}")
     for r in results:

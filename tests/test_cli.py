@@ -25,7 +25,7 @@ def test_info_text_and_json(cli, run_path):
     assert "steps      6 (steps 0..5), 0 skipped" in text.output
     assert "ended      cleanly" in text.output
     data = json.loads(cli.invoke(main, ["info", str(run_path), "--format", "json"]).output)
-    assert data["steps"] == 6 and data["tensors"] == 6 and data["schema_version"] == 1
+    assert data["steps"] == 6 and data["tensors"] == 6 and data["schema_version"] == 2
 
 
 @pytest.mark.parametrize("setup,message", [

@@ -251,7 +251,7 @@ def test_ranks_that_cannot_share_a_run_id_are_warned_about(run_path, monkeypatch
 
 # -- one segment's footer (ampdoctor.segment), without recording ----------------------------------------
 
-def _segment_file(path, metadata, steps=(3, 4, 5)):
+def _segment_file(path, metadata, steps=(3, 4, 5), version=2):
     """A hand-written segment of step rows, with ``metadata`` (strings) in its footer."""
     from ampdoctor.run import empty_table
 
@@ -263,8 +263,11 @@ def _segment_file(path, metadata, steps=(3, 4, 5)):
                    dtype=pa.array([""] * len(steps)).dictionary_encode(),
                    numel=pa.array([0] * len(steps), pa.int64()), scale=pa.array([1.0] * len(steps), pa.float32()),
                    skipped=pa.array([False] * len(steps)))
-    table = pa.table(columns).cast(empty.schema)
-    meta = {META_SCHEMA_VERSION: "1", **metadata}
+    schema = empty.schema
+    if version == 1:  # version 1's histogram column: a fixed-size list
+        schema = schema.set(schema.get_field_index("hist"), pa.field("hist", pa.list_(pa.int32(), 64)))
+    table = pa.table(columns).cast(schema)
+    meta = {META_SCHEMA_VERSION: str(version), **metadata}
     pq.write_table(table.replace_schema_metadata({k.encode(): v.encode() for k, v in meta.items()}), path)
     return path
 
@@ -273,16 +276,20 @@ def test_a_segment_is_read_from_its_footer_and_its_bad_metadata_ignored(tmp_path
     from ampdoctor.schema import META_AMP_DTYPE, META_GROWTH_INTERVAL, META_HIST_BINS, META_INIT_SCALE
     from ampdoctor.segment import read_segment
 
-    path = _segment_file(tmp_path / "part.parquet", {META_INIT_SCALE: "-1", META_GROWTH_INTERVAL: "2000",
-                                                     META_AMP_DTYPE: "float8", META_HIST_BINS: "32"})
+    bad = {META_INIT_SCALE: "-1", META_GROWTH_INTERVAL: "2000", META_AMP_DTYPE: "float8", META_HIST_BINS: "32"}
+    path = _segment_file(tmp_path / "part.parquet", bad)
     segment, ignored = read_segment(path, single=True)
     assert (segment.rows, segment.steps, segment.size) == (3, (3, 5), path.stat().st_size)
     assert segment.metadata[META_GROWTH_INTERVAL] == "2000"
     assert META_INIT_SCALE not in segment.metadata and META_AMP_DTYPE not in segment.metadata
-    assert segment.metadata[META_HIST_BINS] == "64"  # the hist column's own size wins
-    assert len(ignored) == 3 and ignored[0] == "ignored metadata scaler.init_scale='-1' (not a positive float32)"
+    # Version 2 without a histogram in the segment: the metadata says how many bins.
+    assert segment.metadata[META_HIST_BINS] == "32" and segment.hist_bins == 32
+    assert len(ignored) == 2 and ignored[0] == "ignored metadata scaler.init_scale='-1' (not a positive float32)"
     assert ignored[1].startswith("ignored metadata amp.dtype='float8' (not one of float16, bfloat16, ")
-    assert ignored[2] == "ignored metadata hist.bins='32' (the hist column has 64 bins)"
+    # Version 1: the fixed-size column's own size wins over the metadata.
+    segment, ignored = read_segment(_segment_file(tmp_path / "v1.parquet", bad, version=1), single=True)
+    assert segment.metadata[META_HIST_BINS] == "64" and segment.hist_bins == 64
+    assert len(ignored) == 3 and ignored[2] == "ignored metadata hist.bins='32' (the hist column has 64 bins)"
 
 
 def test_a_damaged_segment_is_a_run_error_alone_and_skippable_in_a_directory(tmp_path):

@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import RunError
+from ..hist_column import hist_matrix
 from ..run import Run
 from ..schema import HIST_BINS
 from .contract_fields import underflow_fields
-from .layer_scan import hist_matrix
 from .replay import Outcome, actual_outcome, replay
 from .run_analysis import Analysis, analyse
 from .scaler_config import with_defaults
@@ -51,7 +51,7 @@ def _predicted_layers(a: Analysis, outcome: Outcome) -> list[dict]:
         return []
     table = table.filter(table.column("n_zero").is_valid())
     bins = a.series.hist.shape[1] if len(a.series) else HIST_BINS
-    hist = hist_matrix(table.column("hist").combine_chunks(), bins)
+    hist = hist_matrix(table.column("hist"), bins)
     frame = table.drop_columns(["hist"]).to_pandas()
     frame["name"] = frame["name"].astype(str)
     finite = (frame["n_nan"].fillna(0) + frame["n_inf"].fillna(0)).to_numpy() == 0  # overflowed rows: not judged

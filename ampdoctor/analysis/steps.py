@@ -12,6 +12,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..formats import FloatFormat
+from ..hist_column import hist_matrix
 from .origins import nonfinite_rows
 from .underflow import UnderflowModel, underflow_bounds
 
@@ -81,11 +82,7 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     frame = table.drop_columns(["hist", "loss"]).to_pandas()
     loss = table.column("loss").to_numpy(zero_copy_only=False).astype(np.float64)  # null → NaN
     recorded = table.column("loss").is_valid().to_numpy(zero_copy_only=False)
-    hist_col = table.column("hist").combine_chunks() if table.num_rows else None
-    if hist_col is not None and hist_col.null_count < len(hist_col):
-        hist = np.asarray(hist_col.fill_null([0] * bins).flatten(), dtype=np.float64).reshape(-1, bins)
-    else:
-        hist = np.zeros((len(frame), bins))
+    hist = hist_matrix(table.column("hist"), bins).astype(np.float64)
     frame["loss"] = loss
     frame["loss_recorded"] = recorded
     frame["forced"] = recorded & ~np.isfinite(loss)

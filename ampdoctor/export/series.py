@@ -31,9 +31,10 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.layer_scan import LAYER_KINDS, hist_matrix, scan_step_rows
+from ..analysis.layer_scan import LAYER_KINDS, scan_step_rows
 from ..analysis.run_analysis import recorded_binning
 from ..formats import FloatFormat
+from ..hist_column import hist_matrix
 from ..run import Run
 
 STEP_TAGS = ("steps/scale", "steps/skipped", "steps/skipped_total", "steps/loss", "steps/grad_norm")

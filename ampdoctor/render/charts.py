@@ -18,6 +18,19 @@ from .sections import layer_label
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+def unavailable() -> str | None:
+    """Why no chart can be drawn here, or None: matplotlib not installed, or installed but failing
+    to import (a build older than 3.8.4 under numpy 2, say), which are different fixes."""
+    try:
+        import matplotlib.figure  # noqa: F401  (the import that fails on a broken build)
+    except Exception as exc:  # noqa: BLE001 - a broken build raises ImportError, AttributeError, ...
+        from ..dependencies import import_problem, installed
+        if installed("matplotlib") is None:
+            return "Charts need matplotlib, which is not installed (pip install matplotlib)"
+        return f"Charts need matplotlib: {import_problem(exc, 'matplotlib')}"
+    return None
+
+
 BAR_ROWS = 30
 HEATMAP_ROWS = 80
 # Beyond the format's range, the heatmap colours say what happens to the value; neither colour

@@ -260,10 +260,10 @@ def compare_html(data: dict) -> str:
 
 
 def _curves_html(series: dict) -> str:
-    try:
-        fig = curves_figure(series)
-    except ImportError:
-        return '<p class="nodata">Charts need matplotlib, which is not installed (pip install matplotlib).</p>'
+    why = charts.unavailable()
+    if why is not None:
+        return f'<p class="nodata">{escaped(why)}.</p>'
+    fig = curves_figure(series)
     if fig is None:
         return '<p class="nodata">Not enough data for the charts.</p>'
     caption = ("Run A (blue) and run B (orange) per step: the loss scale (log2 axis; crosses are skipped "

@@ -135,10 +135,8 @@ def _report_charts(report: dict) -> dict[str, str]:
                      "some zeros cannot be called underflow or structure.",
         "headroom": f"Headroom per layer in binades (the {charts.BAR_ROWS} smallest); negative overflows.",
     }
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        why = "Charts need matplotlib, which is not installed (pip install matplotlib)"
+    why = charts.unavailable()
+    if why is not None:
         return {k: f'<p class="nodata">{escaped(why)}.</p>' for k in captions}
 
     out = {"scale": _figure(charts.scale_figure(series), "scale", "loss scale chart", captions["scale"])}

@@ -1,0 +1,123 @@
+"""What the run file's `hist` encoding costs: schema version 2 (variable-length `list<int32>`, null
+on light rows) against version 1 (`fixed_size_list<int32>[64]`), on segments as the writer builds
+them: bytes on disk per step, the writer thread's time per segment (Arrow conversion and zstd
+Parquet write), and the reader's time to decode the histograms into the analyses' matrix.
+
+Segments hold `--steps` steps of `--params` parameter-gradient rows plus a step row, with full
+statistics (a histogram) on every `--every`-th step and light rows (no histogram) on the others,
+as `level="params"` records at its default cadence; `--every 1` is the all-full worst case.
+The same rows go through both encodings. Version 1 is built as the writer built it before
+(`FixedSizeListArray.from_arrays(..., mask=...)`, which needs pyarrow >= 15).
+
+    python benchmarks/run_format.py                      # every=100 and every=1
+    python benchmarks/run_format.py --json benchmarks/results/run_format.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ampdoctor.hist_column import as_hist_column, hist_matrix
+from ampdoctor.schema import HIST_BINS, run_schema
+from ampdoctor.writer import Columns
+
+
+def segment_columns(steps: int, params: int, every: int, seed: int = 0) -> Columns:
+    """One segment's rows in the writer's column blocks (one block per step, as records arrive)."""
+    rng = np.random.default_rng(seed)
+    cols = Columns()
+    n = params + 1
+    for step in range(steps):
+        full = step % every == 0
+        none = np.full(n, None, dtype=object)
+        centre = rng.normal(-14, 2, n)
+        if full:
+            hist = np.zeros((n, HIST_BINS), np.int32)
+            for i, c in enumerate(centre):
+                lo = int(np.clip(c + 56 - 6, 0, HIST_BINS - 13))
+                hist[i, lo:lo + 13] = rng.integers(0, 200_000, 13)
+            stats = {"amin": np.exp2(centre - 20).astype(np.float32), "n_zero": rng.integers(0, 1000, n),
+                     "n_subnormal": rng.integers(0, 100, n), "n_nan": np.zeros(n, np.int64),
+                     "n_inf": np.zeros(n, np.int64), "hist": hist, "n_zero_lines": np.zeros(n, np.int64).astype(object)}
+        else:
+            stats = {"amin": none, "n_zero": none, "n_subnormal": none, "n_nan": none, "n_inf": none,
+                     "hist": none, "n_zero_lines": none}
+        block = {"step": np.full(n, step, np.int64), "rank": np.zeros(n, np.int32),
+                 "kind": np.array(["step"] + ["param_grad"] * params, dtype=object),
+                 "name": np.array([""] + [f"blocks.{i // 6}.p{i % 6}.weight" for i in range(params)], dtype=object),
+                 "order": none, "dtype": np.array(["float32"] * n, dtype=object),
+                 "numel": rng.integers(1_000, 3_000_000, n), "scale": np.full(n, 65536.0, np.float32),
+                 "skipped": np.zeros(n, bool), "loss": np.array([2.0] + [None] * params, dtype=object),
+                 "amax": np.exp2(centre).astype(np.float32), "l2": np.exp2(centre + 5).astype(np.float32),
+                 "call": none, "parent": none, "inputs": none, **stats}
+        cols.append(block, n)
+    return cols
+
+
+def _as_version_1(table: pa.Table) -> pa.Table:
+    """``table`` with its hist column in version 1's fixed-size encoding (the old writer's call)."""
+    matrix = hist_matrix(table.column("hist"), HIST_BINS).astype(np.int32)
+    valid = table.column("hist").is_valid().to_numpy(zero_copy_only=False)
+    fixed = pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1), pa.int32()), HIST_BINS,
+                                              mask=pa.array(~valid))
+    index = table.schema.get_field_index("hist")
+    return table.set_column(index, pa.field("hist", fixed.type), fixed)
+
+
+def measure(steps: int, params: int, every: int, repeats: int) -> list[dict]:
+    cols = segment_columns(steps, params, every)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for version in (1, 2):
+            write, read, size = [], [], 0
+            for r in range(repeats):
+                path = Path(tmp) / f"v{version}-{r}.parquet"
+                t = time.perf_counter()
+                table = cols.to_table(run_schema(), HIST_BINS)
+                if version == 1:
+                    table = _as_version_1(table)
+                pq.write_table(table, path, compression="zstd")
+                write.append(time.perf_counter() - t)
+                size = path.stat().st_size
+                t = time.perf_counter()
+                column = pq.read_table(path, columns=["hist"]).column("hist")
+                hist_matrix(as_hist_column(column, HIST_BINS), HIST_BINS)
+                read.append(time.perf_counter() - t)
+            out.append({"version": version, "every": every, "steps": steps, "params": params, "rows": cols.rows,
+                        "bytes_per_step": size / steps, "segment_bytes": size,
+                        "write_ms": 1000 * float(np.median(write)), "read_hist_ms": 1000 * float(np.median(read))})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000, help="steps per segment (flush_every's default)")
+    parser.add_argument("--params", type=int, default=197, help="parameter tensors (the README's GPT)")
+    parser.add_argument("--every", type=int, nargs="*", default=[100, 1])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = [r for every in args.every for r in measure(args.steps, args.params, every, args.repeats)]
+    print(f"{'every':>5} {'version':>7} {'rows':>8} {'bytes/step':>11} {'write ms':>9} {'read hist ms':>13}")
+    for r in results:
+        print(f"{r['every']:>5} {r['version']:>7} {r['rows']:>8} {r['bytes_per_step']:>11,.0f} {r['write_ms']:>9.1f} "
+              f"{r['read_hist_ms']:>13.1f}")
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        Path(args.json).write_text(json.dumps({
+            "benchmark": "run_format", "machine": platform.machine(), "pyarrow": pa.__version__,
+            "commit": commit, "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

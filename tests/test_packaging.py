@@ -1,0 +1,154 @@
+"""Declared dependency floors against what the compatibility job installs, and the one line a user
+gets when installed packages cannot work together (``ampdoctor/dependencies.py``). The real
+broken environments are built and run in ``.ci/compat``; here the same paths are driven by
+monkeypatched versions and imports."""
+
+from __future__ import annotations
+
+import builtins
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ampdoctor import dependencies
+from ampdoctor.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = tuple(int(p) for p in version.split("."))
+    return parts + (0,) * (3 - len(parts))
+
+
+def _project() -> dict:
+    if tomllib is None:
+        pytest.skip("tomllib needs Python 3.11")
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_every_declared_floor_is_installed_exactly_by_the_compatibility_job():
+    floors = {}
+    for requirement in _project()["dependencies"]:
+        name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement).groups()
+        floors[name] = _release(version)
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9.]+)$", (ROOT / ".ci" / "floors.txt").read_text(), re.M))
+    assert set(floors) <= set(pins), f"floors without a pin in .ci/floors.txt: {set(floors) - set(pins)}"
+    assert {name: _release(pins[name]) for name in floors} == floors
+    assert set(floors) == set(dependencies.PACKAGES), "dependencies.PACKAGES names every declared package"
+    # The floor environment runs on the oldest Python the project declares.
+    assert re.fullmatch(r">=\s*3\.10", _project()["requires-python"])
+    compat = (ROOT / ".ci" / "compat").read_text()
+    assert "requires-python" in compat and "floors.txt" in compat and "floors-extras.txt" in compat
+
+
+def test_every_extra_s_floor_is_installed_exactly_too():
+    extras = {}
+    for requirements in _project()["optional-dependencies"].values():
+        for requirement in requirements:
+            found = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement)
+            if found:  # the test extra's exact pins (==) are what the main suite runs
+                extras.setdefault(found[1], set()).add(_release(found[2]))
+    assert all(len(v) == 1 for v in extras.values()), f"one floor per package across the extras: {extras}"
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([0-9.]+)$", (ROOT / ".ci" / "floors-extras.txt").read_text(), re.M))
+    assert {name: _release(version) for name, version in pins.items()} == {k: v.pop() for k, v in extras.items()}
+    assert "bash .ci/compat" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.fixture
+def versions(monkeypatch):
+    """Pretend these distributions are installed (None: not installed)."""
+    def set_versions(**installed):
+        monkeypatch.setattr(dependencies, "installed", lambda name: installed.get(name))
+    return set_versions
+
+
+@pytest.mark.parametrize("numpy, pyarrow, conflict", [
+    ("1.26.4", "26.0.1", "pyarrow 26.0.1 needs numpy 2.x, not 1.26.4: pip install 'numpy>=2', or 'pyarrow<26'"),
+    ("2.1.3", "15.0.2", "pyarrow 15.0.2 needs numpy 1.x, not 2.1.3: pip install 'pyarrow>=16', or 'numpy<2'"),
+    ("2.4.6", "26.0.1", None), ("1.26.0", "14.0.1", None), ("1.26.4", "25.0.1", None), ("2.0.0", "16.0.0", None),
+])
+def test_the_known_numpy_pairs(versions, numpy, pyarrow, conflict):
+    versions(numpy=numpy, pyarrow=pyarrow)
+    assert dependencies.conflicts() == ([conflict] if conflict else [])
+
+
+def test_a_failed_import_says_what_to_change(versions):
+    versions(numpy="1.26.4", pyarrow="26.0.1", pandas="2.2.3", torch="2.13.0")
+    message = dependencies.import_problem(ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.4"))
+    assert message == ("a package ampdoctor needs failed to import (pyarrow requires NumPy 2.0 or newer, found "
+                       "1.26.4): pyarrow 26.0.1 needs numpy 2.x, not 1.26.4: pip install 'numpy>=2', or 'pyarrow<26'")
+    versions(numpy="2.4.6", pandas="2.1.0")
+    message = dependencies.import_problem(ImportError("numpy.dtype size changed, may indicate binary incompatibility"),
+                                          "pandas")
+    assert message.startswith("pandas 2.1.0 failed to import (numpy.dtype size changed")
+    assert "installed: numpy 2.4.6, pandas 2.1.0" in message and "Supported versions" in message
+    missing = ModuleNotFoundError("No module named 'pyarrow'", name="pyarrow")
+    assert dependencies.import_problem(missing) == "pyarrow is not installed (pip install pyarrow)"
+
+
+def test_the_cli_gives_a_broken_environment_one_line_not_an_internal_error(versions, monkeypatch, tmp_path):
+    import ampdoctor.run
+
+    def broken(*args, **kwargs):
+        raise ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.4")
+
+    monkeypatch.setattr(ampdoctor.run, "read_run", broken)
+    versions(numpy="1.26.4", pyarrow="26.0.1")
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "Error: a package ampdoctor needs failed to import (pyarrow requires NumPy 2.0 or newer, found 1.26.4): "
+        "pyarrow 26.0.1 needs numpy 2.x, not 1.26.4: pip install 'numpy>=2', or 'pyarrow<26'"]
+    # An import of ampdoctor's own modules that fails is a bug, and says so.
+    monkeypatch.setattr(ampdoctor.run, "read_run",
+                        lambda *a, **k: (_ for _ in ()).throw(ModuleNotFoundError("x", name="ampdoctor.nothing")))
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "internal error" in result.output
+
+
+def test_the_library_raises_a_dependency_error(monkeypatch):
+    import ampdoctor
+
+    monkeypatch.delitem(ampdoctor.__dict__, "read_run", raising=False)
+    monkeypatch.delitem(sys.modules, "ampdoctor.run", raising=False)
+    real = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.split(".")[0] == "pyarrow":
+            raise ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.4")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(dependencies.DependencyError, match="failed to import") as caught:
+        ampdoctor.read_run
+    assert isinstance(caught.value, ImportError) and isinstance(caught.value, ampdoctor.AmpdoctorError)
+
+
+def test_charts_tell_a_broken_matplotlib_from_a_missing_one(versions, monkeypatch):
+    from ampdoctor.render import charts
+
+    assert charts.unavailable() is None  # the test environment's matplotlib imports
+    real = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise AttributeError("_ARRAY_API not found")  # a numpy 1 build under numpy 2
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    for module in [m for m in sys.modules if m.startswith("matplotlib")]:
+        monkeypatch.delitem(sys.modules, module)
+    versions(matplotlib="3.8.3", numpy="2.4.6")
+    assert charts.unavailable().startswith("Charts need matplotlib: matplotlib 3.8.3 failed to import "
+                                           "(_ARRAY_API not found)")
+    versions(numpy="2.4.6")
+    assert charts.unavailable() == "Charts need matplotlib, which is not installed (pip install matplotlib)"
