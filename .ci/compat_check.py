@@ -130,7 +130,8 @@ def read(out_json: Path, dirs: list[Path]) -> None:
 
 
 # Keys whose values name this machine's paths or the reading environment, not what the run holds.
-_LOCAL = {"path", "size_bytes", "a_path", "b_path", "command"}
+# `schema_version`: the file's encoding (a migrated run is the same run).
+_LOCAL = {"path", "size_bytes", "a_path", "b_path", "command", "schema_version"}
 
 
 def _portable(value):
@@ -178,11 +179,13 @@ def refuses(run: Path, text: str) -> None:
 
 def charts(run: Path, text: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        page = Path(tmp) / "report.html"
-        code, output = invoke("report", run, "--format", "html", "-o", page)
-        if code != 0 or text not in page.read_text():
-            fail(f"report --format html: expected {text!r} in the page, got exit {code}: {output[-500:]}")
-    print(f"compat: the HTML report says {text!r}")
+        for command in (["report", run], ["postmortem", run], ["compare", run, run]):
+            page = Path(tmp) / "page.html"
+            code, output = invoke(*command, "--format", "html", "-o", page)
+            html = page.read_text() if page.exists() else ""
+            if code != 0 or text not in html or "<svg" in html or "Traceback" in output:
+                fail(f"{command[0]} --format html: expected {text!r} in the page, got exit {code}: {output[-500:]}")
+    print(f"compat: the report, postmortem and compare pages say {text!r}")
 
 
 if __name__ == "__main__":

@@ -35,13 +35,14 @@ def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
     module, attribute = _LAZY[name]
+    from .dependencies import check, dependency_error, is_ours
+    check()  # a pyarrow that cannot import with this numpy: one line, before its own traceback
     try:
         value = getattr(importlib.import_module(f".{module}", __name__), attribute)
     except ImportError as exc:
-        from .dependencies import dependency_error, is_ours
         if is_ours(exc):
             raise
-        raise dependency_error(exc) from exc  # one line naming the conflict, not pyarrow's traceback alone
+        raise dependency_error(exc) from exc  # one line naming the cause, not the traceback alone
     globals()[name] = value  # once: later lookups are plain attribute reads
     return value
 

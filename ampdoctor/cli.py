@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 from . import __version__
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
-from .dependencies import import_problem, is_ours
+from .dependencies import check as check_dependencies, import_problem, is_ours
 from .errors import AmpdoctorError, one_line
 
 
@@ -35,6 +35,7 @@ def library_errors(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
+            check_dependencies()  # a pyarrow that cannot import with this numpy: one line, before its traceback
             return fn(*args, **kwargs)
         except AmpdoctorError as exc:
             raise CliError(one_line(str(exc))) from None
@@ -125,6 +126,22 @@ def info(run: Run, fmt: str) -> None:
 
     data = describe(run)
     click.echo(json.dumps(data, indent=2) if fmt == "json" else info_text(data))
+
+
+@main.command()
+@click.argument("run", type=click.Path(path_type=str, readable=False))
+@library_errors
+def migrate(run: str) -> None:
+    """Rewrite a run's segments of run schema version 1 in the current version, in place, so that
+    every supported pyarrow reads them (reading version 1 needs pyarrow >= 26)."""
+    from .migrate import migrate_run
+    from .schema import SCHEMA_VERSION
+
+    done = migrate_run(run)
+    click.echo(f"Converted {len(done.converted)} segment(s) of {run} to run schema version {SCHEMA_VERSION}; "
+               f"{done.current} already were.")
+    for name in done.skipped:
+        click.echo(f"Left alone: {name}", err=True)
 
 
 def _emit(text: str, output: str | None) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .analysis.scaler_config import TORCH_SETTINGS, ScalerConfig
-from .errors import AmpdoctorError
+from .errors import AmpdoctorError, RecorderError, RunError
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 
 STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
@@ -27,6 +27,12 @@ STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the e
 class DemoError(AmpdoctorError, ValueError):
     """A demo that cannot run as asked: an unknown scenario, CUDA without a GPU, or an output path
     that holds something other than a run."""
+
+
+class RecordingStopped(AmpdoctorError):
+    """The demo trained but its run is not whole: the recorder failed (a full disk, an unwritable
+    directory, a writer that died) or did not finish writing. The message names the step, the
+    cause and the steps the run holds, so that nobody reads a report of a partial run as the demo's."""
 
 
 class Block(nn.Module):
@@ -168,7 +174,10 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
     so that it finishes in seconds). ``progress(n)`` is called after every step. ``settings``:
     GradScaler settings (``init_scale``, ``growth_factor``, ``backoff_factor``,
     ``growth_interval``) that replace the scenario's, e.g. a report's recommendation
-    (:func:`recommended_settings`); the model, data and fault stay the scenario's."""
+    (:func:`recommended_settings`); the model, data and fault stay the scenario's.
+
+    Raises :class:`RecordingStopped` when the run written is not whole: the recorder failed
+    (training stops there) or did not finish writing."""
     from .scaler import GradScaler
 
     scaler_kwargs = scaler_settings(scenario, **settings)
@@ -188,36 +197,83 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20))
     batch = 16 if cpu else 32
     loss = torch.tensor(math.nan)
-    scaler = GradScaler(device_type, **scaler_kwargs, model=model, path=path, amp_dtype=torch.float16,
-                        level=cfg.level)
     threads = torch.get_num_threads()
-    if cpu:  # one thread: the same run, bit for bit, on any number of cores (reductions split alike)
-        torch.set_num_threads(1)
-    with scaler, warnings.catch_warnings(), _restore_threads(threads):
-        # A step the scaler skips makes torch think the scheduler runs before the optimizer; it does not.
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        for i in range(steps):
-            if i == fault_at:
-                weight = model.get_submodule(cfg.fault_module).weight
-                with torch.no_grad():
-                    weight.mul_(cfg.fault_peak / weight.abs().max())
-            x, y = synthetic_batch(gen, batch, context, vocab, device)
-            with torch.autocast(device_type, dtype=torch.float16):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
-            scaler.scale(loss * cfg.loss_factor).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            if progress is not None:
-                progress(1)
-        final_scale = scaler.get_scale()
+    step = None  # the step in progress (None: before the first; ``steps``: closing the run)
+    try:
+        # strict: the run is what the demo is for, so a recorder failure ends it at once and names
+        # its cause (without strict it warns once, recording stops and training goes on).
+        scaler = GradScaler(device_type, **scaler_kwargs, model=model, path=path, amp_dtype=torch.float16,
+                            level=cfg.level, strict=True)
+        if cpu:  # one thread: the same run, bit for bit, on any number of cores (reductions split alike)
+            torch.set_num_threads(1)
+        with scaler, warnings.catch_warnings(), _restore_threads(threads):
+            # A step the scaler skips makes torch think the scheduler runs before the optimizer; it does not.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            for step in range(steps):
+                if step == fault_at:
+                    weight = model.get_submodule(cfg.fault_module).weight
+                    with torch.no_grad():
+                        weight.mul_(cfg.fault_peak / weight.abs().max())
+                x, y = synthetic_batch(gen, batch, context, vocab, device)
+                with torch.autocast(device_type, dtype=torch.float16):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, vocab), y.reshape(-1))
+                scaler.scale(loss * cfg.loss_factor).backward()
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                schedule.step()
+                if progress is not None:
+                    progress(1)
+            step = steps  # what fails from here fails in close(), writing the last segment
+            final_scale = scaler.get_scale()
+    except RecorderError as exc:
+        cause = exc.__cause__ or exc
+        raise RecordingStopped(f"{_stopped_at(step, steps)}: {type(cause).__name__}: {cause}; "
+                               f"{_held_steps(path, steps)}") from exc
+    _check_whole(path, steps)
     # The cross-entropy, before the scenario's loss factor: comparable across scenarios.
     return DemoResult(os.fspath(path), steps, device, float(loss.detach()), final_scale, scenario, fault_at,
                       scaler_kwargs)
+
+
+def _stopped_at(step: int | None, steps: int) -> str:
+    if step is None:
+        return "recording could not start"
+    if step >= steps:
+        return f"recording stopped when the run was closed, after step {steps - 1}"
+    return f"recording stopped at step {step} of {steps}"
+
+
+def _held_steps(path: str | os.PathLike, steps: int) -> str:
+    """What the run at ``path`` holds after a failure, read back from its segments' footers."""
+    from .run import read_run
+
+    try:
+        span = read_run(path).step_range()
+    except RunError:  # no finished segment: nothing, or only a segment still being written
+        return f"nothing was written to {os.fspath(path)}"
+    if span is None:
+        return f"the run at {os.fspath(path)} holds no steps"
+    held = f"step {span[0]}" if span[0] == span[1] else f"steps {span[0]}-{span[1]}"
+    return f"the run at {os.fspath(path)} holds only {held} (of 0-{steps - 1})"
+
+
+def _check_whole(path: str | os.PathLike, steps: int) -> None:
+    """Refuse a run that does not hold every step trained, closed cleanly: the writer failing
+    raises RecorderError above, but one that did not finish in time (a stalled disk) only warns."""
+    from .run import read_run
+
+    try:
+        run = read_run(path)
+        whole = run.ended_cleanly and run.step_range() == (0, steps - 1)
+    except RunError:
+        whole = False
+    if not whole:
+        raise RecordingStopped(f"recording did not finish: the writer had not written the whole run when "
+                               f"training ended; {_held_steps(path, steps)}")
 
 
 class StepTimer:

@@ -1,30 +1,35 @@
 """The run file's ``hist`` column, written and read (docs/run-file.md, "The hist column").
 
-**Schema version 2** stores each binade histogram as a variable-length ``list<int32>`` of exactly
+**Schema version 2** stores each binade histogram as a variable-length ``list<int64>`` of exactly
 ``hist.bins`` counts (the segment's metadata), null on light rows. **Version 1** stored a
 ``fixed_size_list<int32>[bins]``. Why the change: a null entry of a fixed-size list is written in
 Parquet as an empty list, and pyarrow before 26.0 cannot read that back (``Expected all lists to be
-of size=64 but index 2 had size=0``), while pyarrow 15 to 24 cannot even write one with a null
+of size=64 but index 2 had size=0``), while pyarrow 14 to 24 cannot even write one with a null
 between two values (``Lists with non-zero length null components are not supported``). So a v1 run
 with light rows, which is every run at the default ``every=100``, is readable only by pyarrow >= 26,
-and recording stopped at the first flush under pyarrow 15 to 24. A variable-length list with the
-same nulls round-trips on every pyarrow from 14 to 26, costs four bytes of offset per row before
-compression, and reads into the same ``[rows, bins]`` matrix.
+and recording stopped at the first flush under pyarrow 14 to 24. A variable-length list with the
+same nulls round-trips on every pyarrow from 14 to 26 and reads into the same ``[rows, bins]``
+matrix. The counts became int64 with it: the step row's histogram sums every gradient of the step,
+and a model of more than 2**31 parameters in one binade wrapped an int32.
 
 The readers accept both versions (and the large-list variant another tool's rewrite may produce):
 :func:`as_hist_column` turns any of them into version 2's type, checking that every histogram has
 ``bins`` counts, and :func:`hist_matrix` turns that into a dense matrix for the analyses.
+:func:`unreadable_here` says, from a segment's footer, when the installed pyarrow cannot read its
+histograms, so that the readers skip it whole and name the fix instead of calling it damaged.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-HIST_TYPE = pa.list_(pa.int32())
+HIST_TYPE = pa.list_(pa.int64())
+_LARGE_HIST_TYPE = pa.large_list(pa.int64())
 
 # The first pyarrow that reads a version 1 segment whose ``hist`` column holds nulls.
 READS_V1_NULLS = (26, 0)
@@ -32,52 +37,60 @@ _V1_NULLS_ERROR = re.compile(r"Expected all lists to be of size=\d+ but index \d
 
 
 class BadHistogram(ValueError):
-    """A ``hist`` column that is not ``bins`` int32 counts per row: the segment is damaged."""
+    """A ``hist`` column that is not ``bins`` counts per row: the segment is damaged."""
 
 
 def is_hist_type(type_: pa.DataType) -> bool:
-    """Whether a segment's ``hist`` column has a type the readers accept: int32 counts in a list
+    """Whether a segment's ``hist`` column has a type the readers accept: integer counts in a list
     (version 2), a large list (another tool's rewrite) or a fixed-size list (version 1)."""
     listlike = pa.types.is_list(type_) or pa.types.is_large_list(type_) or pa.types.is_fixed_size_list(type_)
-    return listlike and type_.value_type == pa.int32()
+    return listlike and type_.value_type in (pa.int32(), pa.int64())
 
 
-def hist_array(parts: list[np.ndarray], bins: int) -> pa.ListArray:
-    """The ``hist`` column of a segment being written: ``parts`` are 2-D int32 blocks of ``bins``
-    columns (full rows) or 1-D object blocks of None (light rows, null)."""
+def hist_array(parts: list[np.ndarray], bins: int) -> pa.Array:
+    """The ``hist`` column of a segment being written: ``parts`` are 2-D integer blocks of ``bins``
+    columns (full rows) or 1-D object blocks of None (light rows, null). A ``list<int64>``, or
+    its large variant when the counts of one segment pass 2**31 values (int32 offsets)."""
     lengths, flat = [], []
     for block in parts:
         if block.ndim == 2:
             if block.shape[1] != bins:
                 raise ValueError(f"a histogram block of {block.shape[1]} bins in a run of {bins}")
             lengths.append(np.full(len(block), bins, dtype=np.int64))
-            flat.append(np.ascontiguousarray(block, dtype=np.int32).reshape(-1))
+            flat.append(np.ascontiguousarray(block, dtype=np.int64).reshape(-1))
         else:
             lengths.append(np.zeros(len(block), dtype=np.int64))
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    offsets = np.zeros(len(length) + 1, dtype=np.int32)
+    large = int(length.sum()) >= 2**31
+    offsets = np.zeros(len(length) + 1, dtype=np.int64 if large else np.int32)
     np.cumsum(length, out=offsets[1:])
-    values = pa.array(np.concatenate(flat) if flat else np.zeros(0, np.int32), type=pa.int32())
+    values = pa.array(np.concatenate(flat) if flat else np.zeros(0, np.int64), type=pa.int64())
     null = length == 0
+    cls = pa.LargeListArray if large else pa.ListArray
     # A null list with a zero-length span: the form every pyarrow from 14 on writes and reads.
-    return pa.ListArray.from_arrays(pa.array(offsets), values, mask=pa.array(null) if null.any() else None)
+    return cls.from_arrays(pa.array(offsets), values, mask=pa.array(null) if null.any() else None)
 
 
 def as_hist_column(column: pa.Array | pa.ChunkedArray, bins: int) -> pa.Array:
-    """``column`` (any accepted ``hist`` type) as version 2's ``list<int32>``, one array. Raises
-    :class:`BadHistogram` when a non-null row does not hold exactly ``bins`` counts."""
+    """``column`` (any accepted ``hist`` type) as version 2's ``list<int64>``, one array. Raises
+    :class:`BadHistogram` when a non-null row does not hold exactly ``bins`` counts, or holds a
+    null count."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks else pa.array([], HIST_TYPE)
     if pa.types.is_fixed_size_list(column.type):
         if column.type.list_size != bins:
             raise BadHistogram(f"hist column of {column.type.list_size} bins where hist.bins says {bins}")
-        offsets = np.arange(len(column) + 1, dtype=np.int64) * bins
         valid = column.is_valid().to_numpy(zero_copy_only=False)
-        # Every row's counts, a null row's too (stored, never read): ``flatten`` would drop those.
-        values = column.values.slice(column.offset * bins, len(column) * bins)
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values,
-                                        mask=pa.array(~valid) if not valid.all() else None)
-    if pa.types.is_large_list(column.type):
+        offsets = np.zeros(len(column) + 1, dtype=np.int64)
+        np.cumsum(valid * bins, out=offsets[1:])
+        # The valid rows' counts only: a null row's stored counts are never read, nor kept.
+        values = column.flatten().cast(pa.int64())
+        cls = pa.LargeListArray if offsets[-1] >= 2**31 else pa.ListArray
+        column = cls.from_arrays(pa.array(offsets.astype(np.int64 if cls is pa.LargeListArray else np.int32)),
+                                 values, mask=pa.array(~valid) if not valid.all() else None)
+    elif column.type.value_type != pa.int64():
+        column = column.cast(_LARGE_HIST_TYPE if pa.types.is_large_list(column.type) else HIST_TYPE)
+    if pa.types.is_large_list(column.type) and len(column) and pc.list_value_length(column).sum().as_py() < 2**31:
         column = column.cast(HIST_TYPE)
     if column.null_count < len(column):
         lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
@@ -85,6 +98,8 @@ def as_hist_column(column: pa.Array | pa.ChunkedArray, bins: int) -> pa.Array:
         wrong = valid & (lengths != bins)
         if wrong.any():
             raise BadHistogram(f"a histogram of {int(lengths[wrong][0])} counts where hist.bins says {bins}")
+        if column.flatten().null_count:
+            raise BadHistogram("a histogram with a null count")
     return column
 
 
@@ -105,14 +120,38 @@ def hist_matrix(column: pa.Array | pa.ChunkedArray, bins: int) -> np.ndarray:
     return out
 
 
-def pyarrow_too_old_for(exc: BaseException) -> str | None:
-    """Why the installed pyarrow failed to read a segment, when the cause is its own age rather
-    than the file: a version 1 ``hist`` column with null rows, which pyarrow before 26 cannot
-    read back. None for any other failure."""
-    if not _V1_NULLS_ERROR.search(str(exc)):
+def _pyarrow_release() -> tuple[int, int]:
+    major, minor = (re.match(r"(\d+)\.(\d+)", pa.__version__) or re.match(r"(\d+)()", pa.__version__)).groups()
+    return int(major), int(minor or 0)
+
+
+def unreadable_here(hist_type: pa.DataType | None, null_rows: int | None) -> str | None:
+    """Why the installed pyarrow cannot read a segment's histograms, or None: a version 1
+    (fixed-size) ``hist`` column with null rows (``null_rows`` from the footer's statistics;
+    None when they do not say) under pyarrow before 26."""
+    if hist_type is None or not pa.types.is_fixed_size_list(hist_type) or null_rows == 0:
         return None
-    installed = pa.__version__
+    return None if _pyarrow_release() >= READS_V1_NULLS else _too_old_message()
+
+
+def pyarrow_too_old_for(exc: BaseException) -> str | None:
+    """The same reason, from the error pyarrow raised while reading (the footer's statistics may
+    not have said): None for any other failure."""
+    return _too_old_message() if _V1_NULLS_ERROR.search(str(exc)) else None
+
+
+def _too_old_message() -> str:
+    """What to do, for this environment: pyarrow >= 26 needs Python >= 3.11 and numpy 2."""
     needed = ".".join(map(str, READS_V1_NULLS))
-    return (f"written in run schema version 1, whose histogram column pyarrow {installed} cannot read "
-            f"(pyarrow >= {needed} can; it needs Python >= 3.11 and numpy >= 2): "
-            f"pip install 'pyarrow>={needed}'")
+    why = f"written in run schema version 1, whose histogram column pyarrow {pa.__version__} cannot read"
+    if sys.version_info < (3, 11):
+        return (f"{why} (pyarrow >= {needed} can, on Python >= 3.11): convert it once where that is installed "
+                f"with `ampdoctor migrate RUN`, and every supported pyarrow reads it")
+    try:
+        import numpy
+        numpy_major = int(numpy.__version__.split(".")[0])
+    except (ImportError, ValueError):
+        numpy_major = 2
+    install = f"pip install 'pyarrow>={needed}'" + (" 'numpy>=2'" if numpy_major < 2 else "")
+    return (f"{why} (pyarrow >= {needed} can): {install}, or convert it once where that is installed with "
+            f"`ampdoctor migrate RUN`")

@@ -187,6 +187,30 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     never mixed with another. ``run_id`` (or a unique prefix of it) selects one; by default the
     latest started is read, with a warning naming the others. A resumed run (its scaler's
     ``state_dict`` loaded) keeps its run id, so it continues the same run."""
+    root, segments, warnings = _located(path, run_id)
+    segments, skipped = _readable_here(root, segments)
+    run = Run(root, segments, warnings + skipped + _supersede(segments))
+    if run.rows == 0:
+        raise RunError(f"{root}: empty run, no steps were recorded")
+    if run.dropped_steps:
+        run.warnings.append(f"{run.dropped_steps} step(s) were not recorded: the writer fell behind (a slow or "
+                            f"stalled disk) and training did not wait for it")
+    return run
+
+
+def latest_run_id(path: str | os.PathLike) -> str | None:
+    """The id of the latest run at ``path`` from its segments' footers alone (also where the
+    installed pyarrow cannot read their data), or None when there is no run there."""
+    try:
+        _, segments, _ = _located(path, None)
+    except RunError:
+        return None
+    return min(segments, key=_segment_order).metadata.get(META_RUN_ID) or None
+
+
+def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Segment], list[str]]:
+    """The segments of one run at ``path`` from their footers (``read_run``'s choice of run), and
+    the warnings so far. Raises :class:`RunError` for anything not a run."""
     root = Path(path)
     if not root.exists():
         raise RunError(f"{root}: no such file or directory")
@@ -228,13 +252,7 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     problems.extend(f"{message} (in {n} segment(s))" for message, n in ignored_counts.items())
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
     segments, choice = _one_run(root, segments, run_id)
-    run = Run(root, segments, choice + problems + _supersede(segments))
-    if run.rows == 0:
-        raise RunError(f"{root}: empty run, no steps were recorded")
-    if run.dropped_steps:
-        run.warnings.append(f"{run.dropped_steps} step(s) were not recorded: the writer fell behind (a slow or "
-                            f"stalled disk) and training did not wait for it")
-    return run
+    return root, segments, choice + problems
 
 
 def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[list[Segment], list[str]]:
@@ -262,6 +280,24 @@ def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[l
     chosen = order[-1]
     return groups[chosen], [f"{root} holds {len(groups)} runs; reading the latest, {chosen or '(no id)'}; choose "
                             f"another with --run ID (runs here: {listing})"]
+
+
+def _readable_here(root: Path, segments: list[Segment]) -> tuple[list[Segment], list[str]]:
+    """The segments this process can read as one run, and a warning for each other: whole
+    segments, decided from their footers, so that no command uses part of one. Skipped are those
+    whose histograms the installed pyarrow cannot read (schema version 1 before pyarrow 26), and
+    those whose histograms have another length than the run's (a run resumed with another
+    ``hist_bins``). Raises :class:`RunError`, naming the fix, when none is left."""
+    warnings = [f"skipped segment {s.path.name}: {s.unreadable}" for s in segments if s.unreadable]
+    readable = [s for s in segments if not s.unreadable]
+    if not readable:
+        raise RunError(one_line(f"{root}: {segments[0].unreadable}"))
+    bins = min(readable, key=_segment_order).hist_bins
+    for s in readable:
+        if s.hist_bins != bins:
+            warnings.append(f"skipped segment {s.path.name}: histograms of {s.hist_bins} bins where the run "
+                            f"has {bins} (hist.bins)")
+    return [s for s in readable if s.hist_bins == bins], warnings
 
 
 def _started(seg: Segment) -> float:
@@ -314,13 +350,19 @@ def load(path: str | os.PathLike, run_id: str | None = None) -> pd.DataFrame:
     return read_run(path, run_id).frame
 
 
-def _segment_order(segment: Segment) -> tuple[str, int, str]:
+def _segment_order(segment: Segment) -> tuple[str, int, float, str]:
+    """Earliest first: by when its writer started (to the second), its number, then when it was
+    written (two writers started in the same second)."""
     meta = segment.metadata
     try:
         number = int(meta.get(META_SEGMENT, "0"))
     except ValueError:
         number = 0
-    return meta.get(META_RUN_STARTED, ""), number, segment.path.name
+    try:
+        written = segment.path.stat().st_mtime
+    except OSError:
+        written = 0.0
+    return meta.get(META_RUN_STARTED, ""), number, written, segment.path.name
 
 
 def kind_mask(column: pa.Array, kinds: Sequence[str]) -> pa.Array:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from . import __version__
 from .errors import RunError
 from .formats import FORMATS
-from .hist_column import is_hist_type
+from .hist_column import is_hist_type, unreadable_here
 from .schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_STEPS, META_GROWTH_FACTOR,
                      META_GROWTH_INTERVAL, META_HIST_BINS, META_HIST_MIN_EXP, META_INIT_SCALE, META_LEVEL,
                      META_SCHEMA_VERSION, META_WORLD_SIZE, SCHEMA_VERSION, HIST_BINS, meta_number, run_schema)
@@ -37,6 +37,7 @@ class Segment:
     metadata: dict[str, str]
     steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
     until: int | None = None  # rows from this step on were superseded by a later process (read_run)
+    unreadable: str | None = None  # why the installed pyarrow cannot read its histograms (read_run skips it)
 
     @property
     def hist_bins(self) -> int:
@@ -58,14 +59,25 @@ def read_segment(path: Path, *, single: bool) -> tuple[Segment, list[str]]:
     """The segment at ``path`` from its footer, and a message for each metadata value that was
     ignored (not valid; the default applies). ``single``: ``path`` is the whole run, so a damaged
     file is a :class:`RunError` rather than a :class:`BadSegment`."""
-    rows, meta, span, bins = _read_footer(path, single=single)
-    meta, ignored = _checked_metadata(meta, bins)
-    return Segment(path, rows, path.stat().st_size, meta, span), ignored
+    footer = _read_footer(path, single=single)
+    meta, ignored = _checked_metadata(footer.metadata, footer.bins)
+    return Segment(path, footer.rows, path.stat().st_size, meta, footer.steps,
+                   unreadable=unreadable_here(footer.hist_type, footer.hist_nulls)), ignored
 
 
-def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str], tuple[int, int] | None, int | None]:
-    """A segment's row count, metadata, step span and histogram bins (the ``hist`` column's list
-    size), from its footer; the data pages are not read."""
+@dataclass
+class _Footer:
+    rows: int
+    metadata: dict[str, str]
+    steps: tuple[int, int] | None
+    bins: int | None                # counts per histogram, from the column itself (None: the metadata says)
+    hist_type: pa.DataType | None
+    hist_nulls: int | None          # null histograms by the statistics (None: unknown)
+
+
+def _read_footer(path: Path, *, single: bool) -> _Footer:
+    """A segment's row count, metadata, step span and what its ``hist`` column is, from its
+    footer; the data pages are not read."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(4)
@@ -107,9 +119,11 @@ def _read_footer(path: Path, *, single: bool) -> tuple[int, dict[str, str], tupl
                        f"{__version__} reads up to version {SCHEMA_VERSION}; upgrade ampdoctor")
     text = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in meta.items()}
     hist = schema.field("hist").type if "hist" in schema.names else None
+    leaf = _hist_statistics(footer, schema)
     # Version 1's fixed-size lists carry their size in the type; version 2's, its statistics.
-    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else _list_size(footer, schema)
-    return footer.num_rows, text, _step_span(footer, schema), bins
+    bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else _list_size(leaf)
+    nulls = None if leaf is None or any(s is None for _, s in leaf) else sum(s.null_count for _, s in leaf)
+    return _Footer(footer.num_rows, text, _step_span(footer, schema), bins, hist, nulls)
 
 
 def _schema_problem(schema: pa.Schema) -> str | None:
@@ -190,21 +204,32 @@ def _checked_metadata(meta: dict[str, str], hist_bins: int | None = None) -> tup
     return out, ignored
 
 
-def _list_size(footer: pq.FileMetaData, schema: pa.Schema) -> int | None:
-    """The counts per histogram of a version 2 ``hist`` column, from its statistics: a row group's
-    non-null leaf values over its non-null rows (a null row is one null leaf slot). None when a
-    row group has no statistics, no histogram, or counts that do not divide evenly."""
+def _hist_statistics(footer: pq.FileMetaData, schema: pa.Schema) -> list | None:
+    """(rows, statistics) of the ``hist`` column's leaf in each row group (statistics None where
+    a row group has none or no null count); None without a ``hist`` column."""
     if "hist" not in schema.names:
         return None
     leaf = next((i for i in range(footer.num_columns)
                  if footer.schema.column(i).path.split(".", 1)[0] == "hist"), None)
-    sizes = set()
-    for g in range(footer.num_row_groups if leaf is not None else 0):
+    if leaf is None:
+        return None
+    out = []
+    for g in range(footer.num_row_groups):
         group = footer.row_group(g)
         stats = group.column(leaf).statistics
-        if stats is None or not stats.has_null_count:
+        out.append((group.num_rows, stats if stats is not None and stats.has_null_count else None))
+    return out
+
+
+def _list_size(leaf: list | None) -> int | None:
+    """The counts per histogram of a version 2 ``hist`` column, from its statistics: a row group's
+    non-null leaf values over its non-null rows (a null row is one null leaf slot). None when a
+    row group has no statistics, no histogram, or counts that do not divide evenly."""
+    sizes = set()
+    for rows, stats in leaf or []:
+        if stats is None:
             return None
-        full = group.num_rows - stats.null_count
+        full = rows - stats.null_count
         if full > 0:
             if stats.num_values % full:
                 return None

@@ -6,8 +6,9 @@ Parquet write), and the reader's time to decode the histograms into the analyses
 Segments hold `--steps` steps of `--params` parameter-gradient rows plus a step row, with full
 statistics (a histogram) on every `--every`-th step and light rows (no histogram) on the others,
 as `level="params"` records at its default cadence; `--every 1` is the all-full worst case.
-The same rows go through both encodings. Version 1 is built as the writer built it before
-(`FixedSizeListArray.from_arrays(..., mask=...)`, which needs pyarrow >= 15).
+The same rows go through the writer's own `Columns.to_table` in both encodings: version 2 with
+today's `hist_array`, version 1 with the function the writer used before (`_v1_hist_array`, as it
+was at commit f4c2999; `FixedSizeListArray.from_arrays(..., mask=...)` needs pyarrow >= 15).
 
     python benchmarks/run_format.py                      # every=100 and every=1
     python benchmarks/run_format.py --json benchmarks/results/run_format.json
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 
 from ampdoctor.hist_column import as_hist_column, hist_matrix
 from ampdoctor.schema import HIST_BINS, run_schema
+from ampdoctor import writer
 from ampdoctor.writer import Columns
 
 
@@ -64,14 +66,32 @@ def segment_columns(steps: int, params: int, every: int, seed: int = 0) -> Colum
     return cols
 
 
-def _as_version_1(table: pa.Table) -> pa.Table:
-    """``table`` with its hist column in version 1's fixed-size encoding (the old writer's call)."""
-    matrix = hist_matrix(table.column("hist"), HIST_BINS).astype(np.int32)
-    valid = table.column("hist").is_valid().to_numpy(zero_copy_only=False)
-    fixed = pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1), pa.int32()), HIST_BINS,
-                                              mask=pa.array(~valid))
-    index = table.schema.get_field_index("hist")
-    return table.set_column(index, pa.field("hist", fixed.type), fixed)
+def _v1_hist_array(parts: list[np.ndarray], bins: int) -> pa.Array:
+    """The writer's hist column before schema version 2 (writer._hist_array at f4c2999)."""
+    flat, valid = [], []
+    for block in parts:
+        if block.ndim == 2:
+            flat.append(block.reshape(-1).astype(np.int32))
+            valid.append(np.ones(len(block), dtype=bool))
+        else:
+            flat.append(np.zeros(len(block) * bins, dtype=np.int32))
+            valid.append(np.zeros(len(block), dtype=bool))
+    values = pa.array(np.concatenate(flat) if flat else np.array([], np.int32), type=pa.int32())
+    mask = pa.array(~np.concatenate(valid)) if valid else None
+    return pa.FixedSizeListArray.from_arrays(values, bins, mask=mask)
+
+
+def _table(cols: Columns, version: int) -> pa.Table:
+    """The segment's table as the writer builds it, in schema ``version``'s hist encoding."""
+    if version == 2:
+        return cols.to_table(run_schema(), HIST_BINS)
+    schema = run_schema()
+    schema = schema.set(schema.get_field_index("hist"), pa.field("hist", pa.list_(pa.int32(), HIST_BINS)))
+    original, writer.hist_array = writer.hist_array, _v1_hist_array
+    try:
+        return cols.to_table(schema, HIST_BINS)
+    finally:
+        writer.hist_array = original
 
 
 def measure(steps: int, params: int, every: int, repeats: int) -> list[dict]:
@@ -83,9 +103,7 @@ def measure(steps: int, params: int, every: int, repeats: int) -> list[dict]:
             for r in range(repeats):
                 path = Path(tmp) / f"v{version}-{r}.parquet"
                 t = time.perf_counter()
-                table = cols.to_table(run_schema(), HIST_BINS)
-                if version == 1:
-                    table = _as_version_1(table)
+                table = _table(cols, version)
                 pq.write_table(table, path, compression="zstd")
                 write.append(time.perf_counter() - t)
                 size = path.stat().st_size

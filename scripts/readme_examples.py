@@ -11,13 +11,33 @@ Each example in the README sits between two markers, with the command that produ
 The command runs with bash in a fresh temporary directory (so runs it writes never mix with
 others), with this checkout's package first on the path, and its standard output replaces the
 block. ``--check`` changes nothing and exits 1, naming the stale examples, when any output
-differs: CI runs it (``tests/test_readme.py``), so the README cannot show output that the code no
-longer produces.
+differs beyond another CPU's rounding (below): CI runs it (``tests/test_readme.py``), so the
+README cannot show output that the code no longer produces.
 
-Training on the CPU is deterministic for one torch build and CPU instruction set (the demo
-trains on one thread), not across them (kernels round differently). The README records where its examples were
-generated (``<!-- examples generated with: ... -->``); elsewhere the check compares the outputs
-with every number masked, so the words, layout and structure are still checked.
+Training on the CPU is deterministic on one machine (the demo trains on one thread), not across
+machines: fp16 kernels round differently from one CPU to the next, and torch does not name which
+ones ran. Measured on one Xeon with AVX-512 FP16 and AMX: oneDNN's fp16 matmul (used where the CPU
+has AVX-512 FP16 or AMX) and ATen's own (elsewhere) give different gradients, and ATen's AVX2 and
+AVX-512 kernels differ again; all of these say ``AVX512`` or ``AVX2`` in
+``torch.backends.cpu.get_cpu_capability()``, and the README's examples, generated on another
+``AVX512`` machine, matched none of them. So the check never compares bits. An example is what its
+command prints when, line for line (see :func:`same_output`):
+
+* the words are the same (a run of spaces inside a line counts as one: a wider number shifts a
+  column's padding, not its meaning);
+* every number agrees up to the rounding of another CPU: integers (counts, steps, exponents such
+  as the 16 of ``2**16``) exactly; numbers printed with a sign (headroom and other distances in
+  binades: ``+4.0``) within one unit of their last digit (0.1 binade, about 7% of a magnitude);
+  other numbers (magnitudes, losses) within REL_TOLERANCE (5%) or one unit of their last digit,
+  whichever is larger; percentages within PERCENT_POINTS (one percentage point) or 5%, a bare ``0``
+  in a share's place being 0% (``0`` and ``0.521%`` agree; ``0`` and ``2%`` do not);
+* lines keep their order, except table rows whose numbers all agree within those tolerances (a
+  tie up to rounding), which may trade places: a row out of order by more than rounding is stale.
+
+What the reader relies on, the verdicts, settings, skipped steps and the wording, is therefore
+checked exactly; the measured magnitudes to the digit a CPU can change. The README's
+``<!-- examples generated with: ... -->`` line says where the outputs were last regenerated
+(:func:`environment`): provenance, not a condition of the check.
 
     python scripts/readme_examples.py           # rewrite README.md
     python scripts/readme_examples.py --check   # exit 1 if an example is stale
@@ -28,6 +48,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -39,7 +60,12 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 EXAMPLE = re.compile(r"<!-- example: (?P<command>.+?) -->\n```text\n(?P<output>.*?)```\n<!-- /example -->", re.S)
 GENERATED = re.compile(r"<!-- examples generated with: (?P<where>.*?) -->")
-NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+# A number as the renderers print it: ``150``, ``+4.0``, ``0.0384``, ``1.04858e+06``, ``0.521%``.
+# Digits inside a name (``blocks.0.qkv``, ``float16``, ``part-r00000``) are words: not after a
+# letter, a digit, or a letter and a dot. ``2**16..2**24`` holds the numbers 2, 16, 2, 24.
+NUMBER = re.compile(r"(?<!\w)(?<!\w\.)[+-]?\d+(?:\.\d+)?(?:e[+-]?\d+)?%?(?!\w)")
+REL_TOLERANCE = 0.05    # non-integers: relative, or one unit of the last printed digit if larger
+PERCENT_POINTS = 0.01   # percentages: absolute, as a fraction (one percentage point)
 TIMEOUT = 600  # seconds per example command
 
 
@@ -55,20 +81,113 @@ def examples(text: str) -> list[Example]:
 
 
 def environment() -> str:
-    """What makes the demo's CPU training reproducible: the torch build and the instruction set."""
+    """Where examples are regenerated, for the README's record: the torch build, the machine, ATen's
+    kernel set and whose fp16 matmul runs (oneDNN's where the CPU has AVX-512 FP16 or AMX and
+    ``ONEDNN_MAX_CPU_ISA`` allows them; else ATen's). Two machines with the same line may still
+    round differently, which is why the check has tolerances and this line is no condition of it."""
     import torch
 
-    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"  # the demo uses 1 thread
+    try:
+        onednn_fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN, or without this private op
+        onednn_fp16 = False
+    matmul = "oneDNN" if onednn_fp16 else "ATen"
+    return (f"torch {torch.__version__}, {platform.machine()} {torch.backends.cpu.get_cpu_capability()}, "
+            f"fp16 matmul by {matmul}")  # the demo trains on 1 thread
 
 
-def same_output(recorded: str, fresh: str, exact: bool) -> bool:
-    return recorded == fresh if exact else NUMBER.sub("#", recorded) == NUMBER.sub("#", fresh)
+@dataclass(frozen=True)
+class Number:
+    """One printed number: its value (a percentage as a fraction), and how it was printed."""
+
+    text: str
+    value: float
+    percent: bool
+    integer: bool
+    signed: bool  # printed with its sign: ``+4.0``, ``-1.5``
+    unit: float  # one unit of the last printed digit, in the units of ``value``
+
+    @classmethod
+    def parse(cls, text: str) -> "Number":
+        percent = text.endswith("%")
+        digits = text.rstrip("%")
+        mantissa, _, exponent = digits.lower().partition("e")
+        decimals = len(mantissa.partition(".")[2])
+        value = float(digits) / (100 if percent else 1)
+        integer = not percent and "." not in mantissa and not exponent
+        # A bare 0 is an exact zero (the renderers print nothing else so), not 0 rounded to units.
+        unit = 0.0 if integer and value == 0 else 10.0 ** (int(exponent or 0) - decimals) / (100 if percent else 1)
+        return cls(text, value, percent, integer=integer, signed=text[0] in "+-", unit=unit)
 
 
-def exact_here(text: str) -> bool:
-    """Whether this machine is where the README's examples were generated."""
-    m = GENERATED.search(text)
-    return m is not None and m["where"] == environment()
+def close(a: Number, b: Number) -> bool:
+    """Whether two numbers printed in the same place agree up to another CPU's rounding (the
+    module docstring's rules). ``percent()`` prints an exact zero share as a bare ``0``: beside a
+    percentage it is 0%."""
+    if a.percent or b.percent:
+        return abs(a.value - b.value) <= max(PERCENT_POINTS, REL_TOLERANCE * max(abs(a.value), abs(b.value)))
+    if a.integer and b.integer:
+        return a.value == b.value
+    if a.signed or b.signed:  # binades (headroom, a change of scale): logs, where "relative" means nothing
+        return abs(a.value - b.value) <= max(a.unit, b.unit) * (1 + 1e-9)
+    allowed = max(REL_TOLERANCE * max(abs(a.value), abs(b.value)), a.unit, b.unit)
+    return abs(a.value - b.value) <= allowed * (1 + 1e-9)  # 1e-9: the decimal units are not exact in binary
+
+
+@dataclass(frozen=True)
+class Line:
+    """A line of output as the check sees it: its words (numbers replaced by ``#``, inner runs of
+    spaces as one, the indentation kept) and its numbers."""
+
+    text: str
+    words: str
+    numbers: tuple[Number, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "Line":
+        body = text.rstrip()
+        indent = body[:len(body) - len(body.lstrip())]
+        words = indent + " ".join(NUMBER.sub("#", body).split())
+        return cls(text, words, tuple(Number.parse(m) for m in NUMBER.findall(body)))
+
+    def matches(self, other: "Line") -> bool:
+        """The same words, and every number close to its counterpart."""
+        return self.words == other.words and all(close(a, b) for a, b in zip(self.numbers, other.numbers))
+
+    def ties(self, other: "Line") -> bool:
+        """Two table rows whose numbers all agree within the tolerances: which of them a table sorted
+        on those numbers lists first is up to rounding. Lines with fewer than two numbers (prose,
+        headings) never tie: their order is the output's structure."""
+        return (len(self.numbers) >= 2 and len(self.numbers) == len(other.numbers)
+                and all(close(a, b) for a, b in zip(self.numbers, other.numbers)))
+
+
+def differences(recorded: str, fresh: str) -> list[str]:
+    """Why ``fresh`` is not what ``recorded`` shows, up to the tolerances (empty: it is). Each line of
+    ``fresh`` is paired with the first unpaired line of ``recorded`` it matches; lines paired out of
+    order must tie."""
+    old, new = [Line.parse(t) for t in recorded.splitlines()], [Line.parse(t) for t in fresh.splitlines()]
+    if len(old) != len(new):
+        return [f"{len(new)} lines instead of {len(old)}"]
+    problems, paired, free = [], [], set(range(len(old)))
+    for i, line in enumerate(new):
+        j = next((j for j in sorted(free) if old[j].matches(line)), None)
+        if j is None:
+            problems.append(f"line {i + 1}: {line.text.strip()!r} instead of {old[i].text.strip()!r}")
+            continue
+        free.discard(j)
+        paired.append(j)
+    for a, j in enumerate(paired):
+        for k in paired[a + 1:]:
+            if k < j and not old[j].ties(old[k]):
+                problems.append(f"{old[k].text.strip()!r} now comes after {old[j].text.strip()!r}, "
+                                f"whose numbers differ by more than rounding")
+    return problems
+
+
+def same_output(recorded: str, fresh: str) -> bool:
+    """Whether ``fresh`` is what ``recorded`` shows, up to another CPU's rounding."""
+    return not differences(recorded, fresh)
 
 
 def run_example(command: str) -> str:
@@ -88,15 +207,16 @@ def run_example(command: str) -> str:
 
 def refresh(text: str) -> tuple[str, list[str]]:
     """``text`` with every example's output regenerated and marked as generated here, and the
-    commands whose output changed (numbers masked when the README was generated elsewhere)."""
-    exact = exact_here(text)
+    commands whose output changed beyond another CPU's rounding (:func:`same_output`)."""
     stale, pieces, last = [], [], 0
     for ex in examples(text):
         fresh = run_example(ex.command)
-        if not same_output(ex.recorded, fresh, exact):
+        problems = differences(ex.recorded, fresh)
+        if problems:
             stale.append(ex.command)
             sys.stderr.writelines(difflib.unified_diff(ex.recorded.splitlines(True), fresh.splitlines(True),
                                                        f"README: {ex.command}", "now"))
+            sys.stderr.writelines(f"  {p}\n" for p in problems)
         pieces += [text[last:ex.span[0]], fresh]
         last = ex.span[1]
     pieces.append(text[last:])

@@ -3,7 +3,9 @@ the one problem it is meant to show, and the report or the postmortem explains i
 
 from __future__ import annotations
 
+import errno
 import math
+import re
 
 import pytest
 import torch
@@ -168,6 +170,87 @@ def test_the_demo_replaces_its_own_run_and_nothing_else(tmp_path):
     assert result.exit_code == 2 and "not an ampdoctor run" in result.output
     with pytest.raises(DemoError, match="unknown scenario"):
         run_demo(tmp_path / "y", scenario="bogus")
+
+
+# -- a recording that stops is an error, not a run to read -------------------------------------------
+
+@pytest.fixture
+def disk_full_after_one_segment(monkeypatch):
+    """pyarrow writes the run's first segment, then fails as a full disk does."""
+    import pyarrow.parquet as pq
+
+    real, written = pq.write_table, []
+
+    def write_table(*args, **kwargs):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", write_table)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("report", [[], ["--report"]])
+def test_a_recording_that_stops_is_an_error_naming_its_cause_and_what_the_run_holds(
+        tmp_path, disk_full_after_one_segment, report):
+    """The overflow scenario writes a segment at its first skipped step (step 0); the next write
+    fails. The demo stops there, exit 2, and neither says "Wrote ..." nor reports the partial run."""
+    path = tmp_path / "run.parquet"
+    args = ["--scenario", "overflow", "--out", str(path), "--steps", "30", *report]
+    result = demo(*args)
+    assert result.exit_code == 2, result.output
+    error = result.output.splitlines()[-1]
+    assert re.fullmatch(r"Error: recording stopped (at step \d+ of 30|when the run was closed, after step 29): "
+                        r"OSError: \[Errno 28\] No space left on device; "
+                        rf"the run at {re.escape(str(path))} holds only step 0 \(of 0-29\)", error), error
+    assert "Wrote" not in result.output and "Read it with" not in result.output
+    assert "ampdoctor report" not in result.output and "Recommendation" not in result.output
+    assert ampdoctor.read_run(path).step_range() == (0, 0)  # what the message says the run holds
+    disk_full_after_one_segment.undo()  # the same demo on a disk that works
+    result = demo(*args)
+    assert result.exit_code == 0, result.output
+    assert "Error" not in result.output and f"Wrote {path}." in result.output
+    assert ampdoctor.read_run(path).step_range() == (0, 29)
+
+
+def test_a_recording_that_cannot_start_is_an_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = demo("--out", str(blocker / "run.parquet"), "--steps", "2")
+    assert result.exit_code == 2, result.output
+    assert re.fullmatch(r"Error: recording could not start: NotADirectoryError: .*; nothing was written to "
+                        + re.escape(str(blocker / "run.parquet")), result.output.splitlines()[-1])
+    assert "Trained" not in result.output and "Wrote" not in result.output
+
+
+def test_a_writer_that_does_not_finish_is_an_error(tmp_path, monkeypatch):
+    """A stalled disk: the writer is still inside its only segment when the close's wait ends. The
+    recorder only warns then (training must not wait); the demo must not call that run written."""
+    import threading
+
+    import pyarrow.parquet as pq
+
+    from ampdoctor import writer
+
+    release = threading.Event()
+
+    def hang(*args, **kwargs):
+        release.wait()
+        raise OSError(errno.EIO, "the disk came back too late")
+
+    monkeypatch.setattr(pq, "write_table", hang)
+    monkeypatch.setattr(writer, "CLOSE_TIMEOUT", 0.5)
+    path = tmp_path / "run.parquet"
+    try:
+        with pytest.warns(RuntimeWarning, match="did not finish"):
+            result = demo("--out", str(path), "--steps", "2")
+    finally:
+        release.set()
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == (f"Error: recording did not finish: the writer had not written the "
+                                              f"whole run when training ended; nothing was written to {path}")
+    assert "Wrote" not in result.output
 
 
 # -- other scaler settings (to check a recommendation with `ampdoctor compare`) ----------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -137,53 +138,99 @@ def test_version_1_runs_read_as_their_version_2_rewrite(tmp_path, name):
     assert full.any() and frame.loc[full, "hist"].map(len).eq(64).all() and frame.loc[~full, "hist"].isna().all()
 
 
-def test_an_old_pyarrow_names_the_fix_for_version_1_runs(tmp_path, monkeypatch):
-    """What a pyarrow before 26 raises on a v1 null histogram (the exact message of 14.0 to 25.0,
-    seen in .ci/compat) becomes one line naming the version that reads it, not "damaged"."""
-    run = tmp_path / "run.parquet"
-    shutil.copytree(V1_RUNS / "healthy.parquet", run)
+@pytest.fixture
+def old_pyarrow(monkeypatch):
+    """The readers' view of the installed pyarrow as 25.0 (which cannot read v1 null histograms);
+    its reads raise what pyarrow 14.0 to 25.0 raise on them (seen in .ci/compat, which runs the
+    real ones), should a reader try."""
+    from ampdoctor import hist_column
+
+    monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (25, 0))
+    monkeypatch.setattr(pa, "__version__", "25.0.1")
     error = pa.ArrowInvalid("Expected all lists to be of size=64 but index 238 had size=0")
-    real = pq.read_table
+    real_read, real_batches = pq.read_table, pq.ParquetFile.iter_batches
 
-    def old_pyarrow(path, *args, columns=None, **kwargs):
-        if columns is None or "hist" in columns:
+    def fixed(schema) -> bool:
+        return "hist" in schema.names and pa.types.is_fixed_size_list(schema.field("hist").type)
+
+    def read_table(path, *args, columns=None, **kwargs):
+        if fixed(pq.read_schema(path)) and (columns is None or "hist" in columns):
             raise error
-        return real(path, *args, columns=columns, **kwargs)
+        return real_read(path, *args, columns=columns, **kwargs)
 
-    real_batches = pq.ParquetFile.iter_batches
-
-    def old_pyarrow_batches(self, *args, columns=None, **kwargs):
-        if columns is None or "hist" in columns:
+    def iter_batches(self, *args, columns=None, **kwargs):
+        if fixed(self.schema_arrow) and (columns is None or "hist" in columns):
             raise error
         return real_batches(self, *args, columns=columns, **kwargs)
 
-    monkeypatch.setattr(pq, "read_table", old_pyarrow)
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", old_pyarrow_batches)
-    for command in ("report", "info", "postmortem"):
+    monkeypatch.setattr(pq, "read_table", read_table)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", iter_batches)
+
+
+# The fix every message names; with the install line where pyarrow 26 installs (Python >= 3.11).
+FIX = "ampdoctor migrate RUN" if sys.version_info < (3, 11) else "pip install 'pyarrow>=26.0'"
+
+
+def test_an_old_pyarrow_names_the_fix_for_version_1_runs(tmp_path, old_pyarrow):
+    """Decided from the footers: every command says so in one line, never "damaged"."""
+    run = tmp_path / "run.parquet"
+    shutil.copytree(V1_RUNS / "nan.parquet", run)
+    for command in ("report", "info", "postmortem", "layers", "simulate", "watch"):
         result = CliRunner().invoke(main, [command, str(run)])
-        assert result.exit_code == 2
         lines = result.output.strip().splitlines()
-        assert len(lines) == 1 and "damaged" not in lines[0]
-        assert f"whose histogram column pyarrow {pa.__version__} cannot read" in lines[0]
-        assert "pip install 'pyarrow>=26.0'" in lines[0]
-    assert pyarrow_too_old_for(pa.ArrowInvalid("Expected all lists to be of size=64 but index 2 had size=3")) is None
-    assert pyarrow_too_old_for(OSError("Permission denied")) is None
+        assert result.exit_code == 2 and len(lines) == 1, (command, result.output)
+        assert "damaged" not in lines[0] and FIX in lines[0] and "`ampdoctor migrate RUN`" in lines[0]
+        assert "whose histogram column pyarrow 25.0.1 cannot read" in lines[0]
+
+
+def test_the_error_pyarrow_raises_is_recognised_too(tmp_path, monkeypatch):
+    """Should the footer not tell (no statistics), the error pyarrow raises while reading gives
+    the same line; any other error is damage, as before."""
+    from ampdoctor import hist_column
+
+    monkeypatch.setattr(hist_column, "unreadable_here", lambda *args: None)  # the footer did not say
+    monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (25, 0))
+    error = pa.ArrowInvalid("Expected all lists to be of size=64 but index 238 had size=0")
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", lambda *a, **k: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(pq, "read_table", lambda *a, **k: (_ for _ in ()).throw(error))
+    result = CliRunner().invoke(main, ["report", str(V1_RUNS / "healthy.parquet")])
+    assert result.exit_code == 2 and FIX in result.output and "damaged" not in result.output
+    assert hist_column.pyarrow_too_old_for(pa.ArrowInvalid("Expected all lists to be of size=64 but index 2 "
+                                                           "had size=3")) is None
+    assert hist_column.pyarrow_too_old_for(OSError("Permission denied")) is None
+
+
+def test_the_fix_fits_the_environment(monkeypatch):
+    from ampdoctor import hist_column
+
+    import numpy
+    monkeypatch.setattr(hist_column.sys, "version_info", (3, 11, 7))
+    monkeypatch.setattr(numpy, "__version__", "1.26.4")
+    assert "pip install 'pyarrow>=26.0' 'numpy>=2'" in hist_column._too_old_message()
+    monkeypatch.setattr(numpy, "__version__", "2.1.0")
+    assert "pip install 'pyarrow>=26.0', or" in hist_column._too_old_message()
+    monkeypatch.setattr(hist_column.sys, "version_info", (3, 10, 13))
+    message = hist_column._too_old_message()
+    assert "on Python >= 3.11" in message and "pip install" not in message and "ampdoctor migrate RUN" in message
 
 
 @pytest.mark.skipif(PYARROW >= READS_V1_NULLS, reason="this pyarrow reads v1 runs (previous tests)")
 def test_this_pyarrow_refuses_version_1_runs_in_one_line():
-    result = CliRunner().invoke(main, ["report", str(V1_RUNS / "nan.parquet")])
-    assert result.exit_code == 2 and "pip install 'pyarrow>=26.0'" in result.output
+    for name in ("nan", "healthy"):
+        result = CliRunner().invoke(main, ["report", str(V1_RUNS / f"{name}.parquet")])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1 and "damaged" not in lines[0]
+        assert f"whose histogram column pyarrow {pa.__version__} cannot read" in lines[0]
 
 
-def _continued(tmp_path) -> Path:
-    """The v1 healthy run (steps 0..39) continued by the current code at step 40: one run whose
+def _continued(tmp_path, **options) -> Path:
+    """The v1 nan run (steps 0..149) continued by the current code at step 150: one run whose
     segments are of both versions (a job resumed after an upgrade)."""
     from models import train_recorded
 
     run = tmp_path / "run.parquet"
-    shutil.copytree(V1_RUNS / "healthy.parquet", run)
-    train_recorded(run, steps=12, start_step=40, every=5)
+    shutil.copytree(V1_RUNS / "nan.parquet", run)
+    train_recorded(run, steps=12, start_step=150, every=5, **options)
     return run
 
 
@@ -193,26 +240,125 @@ def test_a_run_continued_after_the_upgrade_reads_as_one(tmp_path):
     versions = {s.metadata["ampdoctor.schema_version"] for s in run.segments}
     assert versions == {"1", "2"} and len({s.metadata["run.id"] for s in run.segments}) == 1
     steps = run.table(["step", "kind"], kinds=["step"]).column("step").to_pylist()
-    assert sorted(steps) == list(range(52))
+    assert sorted(steps) == list(range(162))
     assert run.table(["hist"]).column("hist").type == HIST_TYPE
     result = CliRunner().invoke(main, ["report", str(run.path), "--format", "json"])
-    assert result.exit_code == 0 and json.loads(result.output)["run"]["steps"] == 52
+    assert result.exit_code == 0 and json.loads(result.output)["run"]["steps"] == 162
 
 
-def test_a_run_continued_after_the_upgrade_keeps_its_new_steps_under_an_old_pyarrow(tmp_path, monkeypatch):
-    """An old pyarrow skips the v1 segments, each named with the fix, and reports the rest."""
+def test_a_run_continued_after_the_upgrade_keeps_its_new_steps_under_an_old_pyarrow(tmp_path, old_pyarrow):
+    """The v1 segments are skipped whole (no command uses part of one), each named with the fix, in
+    every command's output, and the rest is reported: the postmortem does not call the run healthy
+    without saying it could not see the steps where the loss went NaN."""
     path = _continued(tmp_path)
-    real = pq.ParquetFile.iter_batches
+    v1 = sorted((V1_RUNS / "nan.parquet").glob("*.parquet"))
+    for command, where in (("report", "warnings"), ("postmortem", "notes"), ("layers", "warnings"),
+                           ("simulate", "notes"), ("info", "warnings")):
+        result = CliRunner().invoke(main, [command, str(path), "--format", "json"])
+        assert result.exit_code == 0, (command, result.output)
+        data = json.loads(result.output)
+        skipped = [w for w in data[where] if w.startswith("skipped segment ")]
+        assert len(skipped) == len(v1) and all(FIX in w for w in skipped), (command, data[where])
+    assert json.loads(CliRunner().invoke(main, ["info", str(path), "--format", "json"]).output)["steps"] == 12
+    text = CliRunner().invoke(main, ["layers", str(path)]).output
+    assert f"warning: skipped segment {v1[0].name}" in text
 
-    def old_pyarrow(self, *args, columns=None, **kwargs):
-        if "fixed_size_list" in str(self.schema_arrow.field("hist").type) and (columns is None or "hist" in columns):
-            raise pa.ArrowInvalid("Expected all lists to be of size=64 but index 3 had size=0")
-        return real(self, *args, columns=columns, **kwargs)
 
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", old_pyarrow)
-    result = CliRunner().invoke(main, ["report", str(path), "--format", "json"])
+def test_a_run_resumed_with_other_histogram_bins_skips_those_segments(tmp_path):
+    """Histograms of another length cannot be added up with the run's: those segments are skipped,
+    named, and the rest is read (before, every command failed on the shapes)."""
+    from models import train_recorded
+
+    run = tmp_path / "run.parquet"
+    train_recorded(run, steps=10, every=2)
+    train_recorded(run, steps=6, start_step=10, every=2, hist_bins=32)
+    for command in ("report", "layers", "postmortem", "simulate"):
+        result = CliRunner().invoke(main, [command, str(run), "--format", "json"])
+        assert result.exit_code == 0, (command, result.output)
+        data = json.loads(result.output)
+        text = json.dumps(data)
+        assert "histograms of 32 bins where the run has 64 (hist.bins)" in text, command
+    assert json.loads(CliRunner().invoke(main, ["info", str(run), "--format", "json"]).output)["steps"] == 10
+
+
+def test_the_histogram_length_is_read_from_the_footer(tmp_path):
+    """Version 2's footer statistics give the length, over several row groups, all-null ones and
+    none; without statistics the metadata says."""
+    from ampdoctor.segment import _hist_statistics, _list_size
+
+    column = hist_array([np.ones((3, 16), np.int64), np.full(5, None, dtype=object), np.ones((2, 16), np.int64)], 16)
+    table = pa.table({"hist": column})
+    for group_rows in (1, 2, 3, 100):
+        path = tmp_path / f"g{group_rows}.parquet"
+        pq.write_table(table, path, row_group_size=group_rows)
+        footer = pq.read_metadata(path)
+        assert _list_size(_hist_statistics(footer, pq.read_schema(path))) == 16
+    path = tmp_path / "nostats.parquet"
+    pq.write_table(table, path, write_statistics=False)
+    assert _list_size(_hist_statistics(pq.read_metadata(path), pq.read_schema(path))) is None
+    path = tmp_path / "light.parquet"
+    pq.write_table(pa.table({"hist": hist_array([np.full(4, None, dtype=object)], 16)}), path)
+    assert _list_size(_hist_statistics(pq.read_metadata(path), pq.read_schema(path))) is None
+
+
+def test_a_null_count_inside_a_histogram_is_damage():
+    with pytest.raises(BadHistogram, match="null count"):
+        as_hist_column(pa.array([[1, None, 3]], HIST_TYPE), 3)
+
+
+def _json(command: str, path: Path) -> str:
+    result = CliRunner().invoke(main, [command, str(path), "--format", "json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["run"]["steps"] == 12
-    skipped = [w for w in data["warnings"] if w.startswith("skipped segment ")]
-    assert len(skipped) == 1 and "pip install 'pyarrow>=26.0'" in skipped[0]
+    for key in ("path", "size_bytes", "schema_version"):
+        data.pop(key, None)
+    return json.dumps(data, sort_keys=True).replace(str(path), "RUN")
+
+
+@pytest.mark.skipif(PYARROW < READS_V1_NULLS, reason="converting needs a pyarrow that reads v1 null histograms")
+def test_migrate_converts_a_version_1_run_in_place(tmp_path):
+    """Every segment becomes v2, and every command reads the result exactly as the same rows
+    re-encoded by plain pyarrow; a second migrate has nothing left to do."""
+    run, reference = tmp_path / "run.parquet", tmp_path / "reference.parquet"
+    shutil.copytree(V1_RUNS / "nan.parquet", run)
+    _as_version_2(V1_RUNS / "nan.parquet", reference)
+    result = CliRunner().invoke(main, ["migrate", str(run)])
+    assert result.exit_code == 0 and result.output.startswith("Converted 7 segment(s) of ") and "0 already" in result.output
+    for segment in run.glob("*.parquet"):
+        schema = pq.read_schema(segment)
+        assert schema.metadata[b"ampdoctor.schema_version"] == b"2" and schema.field("hist").type == HIST_TYPE
+        original = pq.read_schema(V1_RUNS / "nan.parquet" / segment.name).metadata
+        assert {k: v for k, v in schema.metadata.items() if k not in (b"ampdoctor.schema_version", b"ARROW:schema")} \
+            == {k: v for k, v in original.items() if k not in (b"ampdoctor.schema_version", b"ARROW:schema")}
+    assert not list(run.glob(".*"))  # no temporary file left
+    for command in ("report", "layers", "simulate", "postmortem", "info"):
+        assert _json(command, run) == _json(command, reference), command
+    again = CliRunner().invoke(main, ["migrate", str(run)])
+    assert again.exit_code == 0 and "Converted 0 segment(s)" in again.output and "7 already were" in again.output
+
+
+def test_migrate_under_an_old_pyarrow_says_where_to_run_it(tmp_path, old_pyarrow):
+    run = tmp_path / "run.parquet"
+    shutil.copytree(V1_RUNS / "healthy.parquet", run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    result = CliRunner().invoke(main, ["migrate", str(run)])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1
+    assert "cannot convert here" in lines[0] and "where pyarrow >= 26 is installed" in lines[0]
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_counts_past_two_to_the_31_survive(tmp_path):
+    """The step row's histogram sums every gradient of the step: a model with more than 2**31
+    elements in one binade wrapped an int32 (version 1); version 2's int64 counts keep it."""
+    from ampdoctor.stats.host_stats import HostStats
+
+    per_tensor = HostStats.concat([HostStats.empty(4), HostStats.empty(4)])
+    per_tensor.hist[:, 1] = [1_500_000_000, 1_000_000_000]
+    total = per_tensor.total().hist
+    assert total.dtype == np.int64 and total[0, 1] == 2_500_000_000
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"hist": hist_array([total], 4)}), path)
+    back = pq.read_table(path).column("hist")
+    assert back.to_pylist() == [[0, 2_500_000_000, 0, 0]]
+    assert hist_matrix(as_hist_column(back, 4), 4)[0, 1] == np.float32(2.5e9)

@@ -95,19 +95,43 @@ def test_a_failed_import_says_what_to_change(versions):
     assert dependencies.import_problem(missing) == "pyarrow is not installed (pip install pyarrow)"
 
 
-def test_the_cli_gives_a_broken_environment_one_line_not_an_internal_error(versions, monkeypatch, tmp_path):
+def test_a_known_broken_pair_is_refused_before_pyarrow_is_imported(versions, monkeypatch, tmp_path):
+    """The pair is named from the installed versions alone, before any command imports pyarrow
+    (whose failure prints numpy's banner and a traceback of its own)."""
     import ampdoctor.run
 
-    def broken(*args, **kwargs):
-        raise ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.4")
-
-    monkeypatch.setattr(ampdoctor.run, "read_run", broken)
+    monkeypatch.setattr(ampdoctor.run, "read_run", lambda *a, **k: pytest.fail("read before the check"))
     versions(numpy="1.26.4", pyarrow="26.0.1")
+    for command in (["report", str(tmp_path)], ["demo", "--out", str(tmp_path / "x")]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2
+        assert result.output.strip().splitlines() == [
+            "Error: pyarrow 26.0.1 needs numpy 2.x, not 1.26.4: pip install 'numpy>=2', or 'pyarrow<26'"]
+    versions(numpy="2.1.3", pyarrow="14.0.1")
+    result = CliRunner().invoke(main, ["info", str(tmp_path)])
+    assert result.output.strip() == ("Error: pyarrow 14.0.1 needs numpy 1.x, not 2.1.3: pip install 'pyarrow>=16', "
+                                     "or 'numpy<2'")
+
+
+def _raised_in(package: str, message: str):
+    """An ImportError raised from a frame of ``package``'s own files (as a real failed import is)."""
+    code = compile(f"raise ImportError({message!r})", f"/site-packages/{package}/__init__.py", "exec")
+
+    def fail(*args, **kwargs):
+        exec(code, {})
+    return fail
+
+
+def test_any_other_failed_import_names_the_package_and_the_versions(versions, monkeypatch, tmp_path):
+    import ampdoctor.run
+
+    versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.1.0")
+    monkeypatch.setattr(ampdoctor.run, "read_run", _raised_in("pandas", "numpy.dtype size changed"))
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "Error: a package ampdoctor needs failed to import (pyarrow requires NumPy 2.0 or newer, found 1.26.4): "
-        "pyarrow 26.0.1 needs numpy 2.x, not 1.26.4: pip install 'numpy>=2', or 'pyarrow<26'"]
+        "Error: pandas 2.1.0 failed to import (numpy.dtype size changed); installed: numpy 2.4.6, pyarrow 26.0.1, "
+        "pandas 2.1.0; the README's \"Supported versions\" lists the combinations that work"]
     # An import of ampdoctor's own modules that fails is a bug, and says so.
     monkeypatch.setattr(ampdoctor.run, "read_run",
                         lambda *a, **k: (_ for _ in ()).throw(ModuleNotFoundError("x", name="ampdoctor.nothing")))
@@ -115,22 +139,28 @@ def test_the_cli_gives_a_broken_environment_one_line_not_an_internal_error(versi
     assert result.exit_code == 2 and "internal error" in result.output
 
 
-def test_the_library_raises_a_dependency_error(monkeypatch):
+def test_the_library_raises_a_dependency_error(versions, monkeypatch):
     import ampdoctor
 
     monkeypatch.delitem(ampdoctor.__dict__, "read_run", raising=False)
+    monkeypatch.delitem(ampdoctor.__dict__, "GradScaler", raising=False)
+    versions(numpy="1.26.4", pyarrow="26.0.1")
+    with pytest.raises(dependencies.DependencyError, match="pip install 'numpy>=2', or 'pyarrow<26'") as caught:
+        ampdoctor.GradScaler
+    assert isinstance(caught.value, ImportError) and isinstance(caught.value, ampdoctor.AmpdoctorError)
+    # No known pair, but the import fails all the same: one line, the failure and the versions.
+    versions(numpy="2.4.6", pyarrow="26.0.1")
     monkeypatch.delitem(sys.modules, "ampdoctor.run", raising=False)
     real = builtins.__import__
 
     def no_pyarrow(name, *args, **kwargs):
         if name.split(".")[0] == "pyarrow":
-            raise ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.4")
+            raise ImportError("libarrow.so.2600: cannot open shared object file", name="pyarrow")
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
-    with pytest.raises(dependencies.DependencyError, match="failed to import") as caught:
+    with pytest.raises(dependencies.DependencyError, match="pyarrow 26.0.1 failed to import"):
         ampdoctor.read_run
-    assert isinstance(caught.value, ImportError) and isinstance(caught.value, ampdoctor.AmpdoctorError)
 
 
 def test_charts_tell_a_broken_matplotlib_from_a_missing_one(versions, monkeypatch):
@@ -147,8 +177,29 @@ def test_charts_tell_a_broken_matplotlib_from_a_missing_one(versions, monkeypatc
     monkeypatch.setattr(builtins, "__import__", broken)
     for module in [m for m in sys.modules if m.startswith("matplotlib")]:
         monkeypatch.delitem(sys.modules, module)
+    # A known pair: named without importing it.
     versions(matplotlib="3.8.3", numpy="2.4.6")
-    assert charts.unavailable().startswith("Charts need matplotlib: matplotlib 3.8.3 failed to import "
+    assert charts.unavailable() == ("Charts need matplotlib, which fails to import here: matplotlib 3.8.3 needs numpy "
+                                    "1.x, not 2.4.6: pip install 'matplotlib>=3.8.4'")
+    # Any other breakage: imported, and its error shown.
+    versions(matplotlib="3.9.0", numpy="2.4.6")
+    assert charts.unavailable().startswith("Charts need matplotlib: matplotlib 3.9.0 failed to import "
                                            "(_ARRAY_API not found)")
     versions(numpy="2.4.6")
     assert charts.unavailable() == "Charts need matplotlib, which is not installed (pip install matplotlib)"
+
+
+def test_every_html_page_says_why_it_has_no_charts(monkeypatch, tmp_path):
+    """The report, postmortem and compare pages all take the reason from charts.unavailable()."""
+    from ampdoctor.render import charts
+
+    run = tmp_path / "run.parquet"  # a NaN loss at step 25: the postmortem has a timeline to chart
+    assert CliRunner().invoke(main, ["demo", "--scenario", "nan", "--steps", "30", "--out", str(run)]).exit_code == 0
+    reason = "Charts need matplotlib: matplotlib 9.9 failed to import (a reason)"
+    monkeypatch.setattr(charts, "unavailable", lambda: reason)
+    for command in (["report", run], ["postmortem", run], ["compare", run, run]):
+        page = tmp_path / "page.html"
+        result = CliRunner().invoke(main, [*map(str, command), "--format", "html", "-o", str(page)])
+        assert result.exit_code == 0, result.output
+        html = page.read_text()
+        assert f'<p class="nodata">{reason}.</p>' in html and "<svg" not in html, command[0]

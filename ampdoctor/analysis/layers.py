@@ -20,12 +20,13 @@ SORTS = {"underflow": ("underflow_rate", False), "headroom": ("headroom_log2", T
 def layers_data(run: Run | str | os.PathLike, sort: str = "underflow", top: int | None = None) -> dict:
     """``ampdoctor layers``'s data (docs/json-contracts.md)."""
     a = analyse(run)
+    warnings = list(a.warnings)  # segments skipped, values ignored: rows the table does not hold
     if a.scan.empty:
-        return {"sort": sort, "layers": [], "missing": Finding("no_layer_rows_to_list")}
+        return {"sort": sort, "layers": [], "missing": Finding("no_layer_rows_to_list"), "warnings": warnings}
     layers = sort_layers(a.scan.layers, sort)
     if top is not None:
         layers = layers.head(top)
-    return {"sort": sort, "layers": layer_records(layers, module_types(a.run)), "missing": None}
+    return {"sort": sort, "layers": layer_records(layers, module_types(a.run)), "missing": None, "warnings": warnings}
 
 
 def sort_layers(layers: pd.DataFrame, by: str = "underflow") -> pd.DataFrame:

@@ -42,7 +42,7 @@ def postmortem_data(run: Run | str | os.PathLike) -> dict:
     a = analyse(run)
     steps = _per_rank_steps(a)
     params = _param_rows(a.run)
-    notes: list[Finding] = []
+    notes: list[Finding | str] = list(a.warnings)  # segments skipped, values ignored: what it could not see
     if not a.run.ended_cleanly:
         notes.append(Finding("postmortem_of_unclosed_run"))
     event = first_event(steps, params)

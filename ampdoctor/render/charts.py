@@ -20,13 +20,18 @@ if TYPE_CHECKING:
 
 def unavailable() -> str | None:
     """Why no chart can be drawn here, or None: matplotlib not installed, or installed but failing
-    to import (a build older than 3.8.4 under numpy 2, say), which are different fixes."""
+    to import (a build older than 3.8.4 under numpy 2, say), which are different fixes. A known
+    broken pair is named without importing it (its import prints numpy's banner and traceback)."""
+    from ..dependencies import conflicts, import_problem, installed
+
+    if installed("matplotlib") is None:
+        return "Charts need matplotlib, which is not installed (pip install matplotlib)"
+    known = conflicts(("matplotlib",))
+    if known:
+        return f"Charts need matplotlib, which fails to import here: {'; '.join(known)}"
     try:
         import matplotlib.figure  # noqa: F401  (the import that fails on a broken build)
     except Exception as exc:  # noqa: BLE001 - a broken build raises ImportError, AttributeError, ...
-        from ..dependencies import import_problem, installed
-        if installed("matplotlib") is None:
-            return "Charts need matplotlib, which is not installed (pip install matplotlib)"
         return f"Charts need matplotlib: {import_problem(exc, 'matplotlib')}"
     return None
 

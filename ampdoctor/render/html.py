@@ -303,12 +303,11 @@ def postmortem_html(pm: dict) -> str:
     rows = [[escaped(c) for c in sections.timeline_cells(r)]
             + [f"<code>{escaped(r['max_activation_module'])}</code>" if r["max_activation_module"] else "—"]
             for r in timeline]
-    try:
-        chart = _figure(charts.timeline_figure(timeline), "timeline", "timeline chart",
-                        "Loss, gradient norm and loss scale before the event, each on its own axis; red "
-                        "lines: skipped steps, thick: a non-finite loss.")
-    except ImportError:
-        chart = '<p class="nodata">Charts need matplotlib, which is not installed.</p>'
+    why = charts.unavailable()
+    chart = (f'<p class="nodata">{escaped(why)}.</p>' if why is not None else
+             _figure(charts.timeline_figure(timeline), "timeline", "timeline chart",
+                     "Loss, gradient norm and loss scale before the event, each on its own axis; red "
+                     "lines: skipped steps, thick: a non-finite loss."))
     advice = pm.get("advice") or []
     # The answer first (what happened, what to change), then the evidence: the steps before it.
     parts = [

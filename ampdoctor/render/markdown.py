@@ -256,6 +256,8 @@ def layers_markdown(layers: dict) -> str:
         lines.append("No per-layer statistics.")
     if layers.get("missing"):
         lines += ["", f"> {escaped_text(layers['missing'])}"]
+    if layers.get("warnings"):
+        lines += ["", "## Warnings", ""] + bullet_lines(layers["warnings"])
     return "\n".join(lines) + "\n"
 
 

@@ -172,9 +172,8 @@ def simulate_text(sim: dict) -> str:
 
 def layers_text(data: dict) -> str:
     """``ampdoctor layers``."""
-    if data["missing"]:
-        return data["missing"]
-    return "\n".join(layers_table(data["layers"]))
+    lines = [data["missing"]] if data["missing"] else layers_table(data["layers"])
+    return "\n".join(lines + [f"warning: {w}" for w in data.get("warnings") or []])
 
 
 CAUSE_TITLES = {

@@ -97,7 +97,7 @@ class FullStats:
             n_subnormal=counts[:, _BELOW].copy(),
             n_nan=codes[:, 255, 1].copy(),
             n_inf=codes[:, 255, 0].copy(),
-            hist=(finite @ _binade_to_bin(self.hist_min_exp, self.bins)).astype(np.int32),
+            hist=finite @ _binade_to_bin(self.hist_min_exp, self.bins),  # int64
             n_zero_lines=self.line_zeros.numpy().astype(np.float64),
         )
 

@@ -26,7 +26,7 @@ class HostStats:
     n_subnormal: np.ndarray  # int64 [slots]
     n_nan: np.ndarray        # int64 [slots]
     n_inf: np.ndarray        # int64 [slots]
-    hist: np.ndarray         # int32 [slots, bins]
+    hist: np.ndarray         # int64 [slots, bins]
     # zeros in all-zero rows or columns (float: NaN where unknown, light rows and old runs)
     n_zero_lines: np.ndarray | None = None
 
@@ -41,13 +41,13 @@ class HostStats:
         n = len(peaks)
         unknown = np.full(n, np.nan)
         return cls(amax=peaks, amin=np.full(n, np.nan, np.float32), l2=norms, n_zero=unknown,
-                   n_subnormal=unknown, n_nan=unknown, n_inf=unknown, hist=np.zeros((n, 0), np.int32))
+                   n_subnormal=unknown, n_nan=unknown, n_inf=unknown, hist=np.zeros((n, 0), np.int64))
 
     @classmethod
     def empty(cls, bins: int) -> "HostStats":
         """One slot of full statistics over no elements (a step that observed no gradient)."""
         return cls(np.zeros(1, np.float32), np.full(1, np.nan, np.float32), np.zeros(1, np.float32),
-                   *(np.zeros(1, np.int64) for _ in range(4)), np.zeros((1, bins), np.int32))
+                   *(np.zeros(1, np.int64) for _ in range(4)), np.zeros((1, bins), np.int64))
 
     @property
     def light(self) -> bool:
@@ -70,7 +70,7 @@ class HostStats:
             l2=to_float32(np.sqrt(np.square(self.l2.astype(np.float64)).sum(keepdims=True))),
             n_zero=np.array([self.n_zero.sum()]), n_subnormal=np.array([self.n_subnormal.sum()]),
             n_nan=np.array([self.n_nan.sum()]), n_inf=np.array([self.n_inf.sum()]),
-            hist=self.hist.sum(axis=0, keepdims=True, dtype=np.int64).astype(np.int32),
+            hist=self.hist.sum(axis=0, keepdims=True, dtype=np.int64),  # int32 wrapped past 2**31 elements
             n_zero_lines=np.array([self.n_zero_lines.sum()]),
         )
 
