@@ -35,12 +35,12 @@ def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
     module, attribute = _LAZY[name]
-    from .dependencies import check, dependency_error, is_ours
+    from .dependencies import check, dependency_error, failed_import
     check()  # a pyarrow that cannot import with this numpy: one line, before its own traceback
     try:
         value = getattr(importlib.import_module(f".{module}", __name__), attribute)
-    except ImportError as exc:
-        if is_ours(exc):
+    except Exception as exc:
+        if not failed_import(exc):
             raise
         raise dependency_error(exc) from exc  # one line naming the cause, not the traceback alone
     globals()[name] = value  # once: later lookups are plain attribute reads

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 from . import __version__
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
-from .dependencies import check as check_dependencies, import_problem, is_ours
+from .dependencies import check as check_dependencies, failed_import, import_problem
 from .errors import AmpdoctorError, one_line
 
 
@@ -44,7 +44,7 @@ def library_errors(fn):
         except Exception as exc:  # noqa: BLE001 - a bug of ours still gets one line, not a traceback
             if _show_tracebacks():
                 raise
-            if isinstance(exc, ImportError) and not is_ours(exc):
+            if failed_import(exc):
                 # The environment, not a bug: a dependency missing or broken; say what to change.
                 raise CliError(import_problem(exc)) from None
             raise CliError(one_line(f"internal error: {type(exc).__name__}: {exc} (a bug in ampdoctor; "
@@ -292,6 +292,8 @@ def export(run: Run, logdir: str, fmt: str) -> None:
     for rank in written["ranks"]:
         click.echo(f"rank {rank['rank']}: {rank['steps']} steps, {rank['scalars']} scalar points, "
                    f"{rank['histograms']} histograms -> {rank['dir']}")
+    for warning in written["warnings"]:  # segments skipped: steps the event files do not hold
+        click.echo(f"warning: {warning}", err=True)
     click.echo(f"View with:\n  tensorboard --logdir {shlex.quote(logdir)}")
 
 

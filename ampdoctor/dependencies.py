@@ -29,6 +29,7 @@ NUMPY_PAIRS = (
     ("pyarrow", (26,), None, 2, "pip install 'numpy>=2', or 'pyarrow<26'"),
     ("pyarrow", (0,), (16,), 1, "pip install 'pyarrow>=16', or 'numpy<2'"),
     ("matplotlib", (0,), (3, 8, 4), 1, "pip install 'matplotlib>=3.8.4'"),
+    ("pandas", (0,), (2, 2, 2), 1, "pip install 'pandas>=2.2.2'"),
 )
 
 
@@ -80,7 +81,7 @@ def conflicts(packages: tuple[str, ...] = ("pyarrow",)) -> list[str]:
 def check() -> None:
     """Raise :class:`DependencyError` when the installed pyarrow and numpy cannot import together
     (before anything imports pyarrow: the failure prints a traceback of its own). No import."""
-    known = conflicts()
+    known = conflicts(("pyarrow", "pandas"))
     if known:
         raise DependencyError(one_line("; ".join(known)))
 
@@ -121,6 +122,17 @@ def is_ours(exc: ImportError) -> bool:
     return (exc.name or "").split(".")[0] == __name__.split(".")[0]
 
 
-def dependency_error(exc: ImportError) -> DependencyError:
+def failed_import(exc: BaseException) -> bool:
+    """Whether ``exc`` is a dependency failing to import, not a bug of ours: an ImportError of
+    another package, or any error raised inside one of :data:`PACKAGES` while it was being
+    imported (a build for another numpy raises ValueError or AttributeError there)."""
+    if isinstance(exc, ImportError):
+        return not is_ours(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    importing = any("importlib._bootstrap" in frame.filename for frame in frames)
+    return importing and bool(_failed_package(exc))
+
+
+def dependency_error(exc: BaseException) -> DependencyError:
     """``exc`` (an import of a dependency failed) as a :class:`DependencyError` with one line."""
     return DependencyError(import_problem(exc))

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 HIST_TYPE = pa.list_(pa.int64())
 _LARGE_HIST_TYPE = pa.large_list(pa.int64())
+LIST_VALUES = 2**31  # a list array's int32 offsets address fewer values than this; the large variant more
 
 # The first pyarrow that reads a version 1 segment whose ``hist`` column holds nulls.
 READS_V1_NULLS = (26, 0)
@@ -61,7 +62,7 @@ def hist_array(parts: list[np.ndarray], bins: int) -> pa.Array:
         else:
             lengths.append(np.zeros(len(block), dtype=np.int64))
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    large = int(length.sum()) >= 2**31
+    large = int(length.sum()) >= LIST_VALUES
     offsets = np.zeros(len(length) + 1, dtype=np.int64 if large else np.int32)
     np.cumsum(length, out=offsets[1:])
     values = pa.array(np.concatenate(flat) if flat else np.zeros(0, np.int64), type=pa.int64())
@@ -85,38 +86,44 @@ def as_hist_column(column: pa.Array | pa.ChunkedArray, bins: int) -> pa.Array:
         np.cumsum(valid * bins, out=offsets[1:])
         # The valid rows' counts only: a null row's stored counts are never read, nor kept.
         values = column.flatten().cast(pa.int64())
-        cls = pa.LargeListArray if offsets[-1] >= 2**31 else pa.ListArray
+        cls = pa.LargeListArray if offsets[-1] >= LIST_VALUES else pa.ListArray
         column = cls.from_arrays(pa.array(offsets.astype(np.int64 if cls is pa.LargeListArray else np.int32)),
                                  values, mask=pa.array(~valid) if not valid.all() else None)
-    elif column.type.value_type != pa.int64():
-        column = column.cast(_LARGE_HIST_TYPE if pa.types.is_large_list(column.type) else HIST_TYPE)
-    if pa.types.is_large_list(column.type) and len(column) and pc.list_value_length(column).sum().as_py() < 2**31:
-        column = column.cast(HIST_TYPE)
+    elif pa.types.is_large_list(column.type) or column.type.value_type != pa.int64():
+        # One type for every segment, so that they concatenate: the large variant only when needed.
+        span = np.asarray(column.offsets)[[0, -1]] if pa.types.is_large_list(column.type) else (0, 0)
+        column = column.cast(_LARGE_HIST_TYPE if span[1] - span[0] >= LIST_VALUES else HIST_TYPE)
     if column.null_count < len(column):
-        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-        valid = column.is_valid().to_numpy(zero_copy_only=False)
-        wrong = valid & (lengths != bins)
+        offsets = np.asarray(column.offsets)  # this (maybe sliced) array's n + 1 offsets
+        lengths = np.diff(offsets)
+        wrong = lengths != bins
+        if column.null_count:
+            wrong &= column.is_valid().to_numpy(zero_copy_only=False)
         if wrong.any():
             raise BadHistogram(f"a histogram of {int(lengths[wrong][0])} counts where hist.bins says {bins}")
-        if column.flatten().null_count:
+        if column.values.null_count and column.values.slice(offsets[0], offsets[-1] - offsets[0]).null_count:
             raise BadHistogram("a histogram with a null count")
     return column
 
 
-def hist_matrix(column: pa.Array | pa.ChunkedArray, bins: int) -> np.ndarray:
-    """The histograms as float32 ``[rows, bins]``, zeros on null rows (exact below 2^24 per bin;
-    half the memory traffic of float64 on the report's hottest path). ``column`` is a ``hist``
-    column as the reader returns it (:func:`as_hist_column`)."""
+def hist_matrix(column: pa.Array | pa.ChunkedArray, bins: int, dtype=np.float32) -> np.ndarray:
+    """The histograms as a ``[rows, bins]`` matrix, zeros on null rows. float32 by default (exact
+    below 2^24 per bin; half the memory traffic of float64 on the report's hottest path); float64
+    where sums of many rows must stay exact. ``column`` is a ``hist`` column as the reader returns
+    it (:func:`as_hist_column`): the counts are read in place, converted once."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks() if column.num_chunks else pa.array([], HIST_TYPE)
-    out = np.zeros((len(column), bins), dtype=np.float32)
     if column.null_count == len(column):
-        return out
-    values = np.asarray(column.flatten(), dtype=np.float32)  # the valid rows' counts, in order
+        return np.zeros((len(column), bins), dtype=dtype)
+    offsets = np.asarray(column.offsets)
+    counts = np.asarray(column.values.slice(offsets[0], offsets[-1] - offsets[0]))
     if column.null_count == 0:
-        return values.reshape(len(column), bins)
+        return counts.reshape(len(column), bins).astype(dtype)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
-    out[valid] = values.reshape(-1, bins)
+    if np.diff(offsets)[~valid].any():  # null rows spanning counts (another writer's): skip them
+        counts = np.asarray(column.flatten())
+    out = np.zeros((len(column), bins), dtype=dtype)
+    out[valid] = counts.reshape(-1, bins)
     return out
 
 

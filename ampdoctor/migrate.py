@@ -12,6 +12,7 @@ segment in one version or the other; running it again converts what is left.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,10 +79,16 @@ def _rewrite(file: Path, bins: int) -> None:
         index = table.schema.get_field_index("hist")
         table = table.set_column(index, pa.field("hist", hist.type), hist)
     table = table.replace_schema_metadata(metadata)
-    temporary = file.with_name(f".{file.name}.migrate.tmp")
+    # Hidden and named as the writer names its temporaries (readers and `demo --out` know them),
+    # with the pid: two migrations at once do not write into one file.
+    temporary = file.with_name(f".{file.stem}-migrate{os.getpid()}{file.suffix}.tmp")
     try:
         pq.write_table(table, temporary, compression="zstd")
+        # The file's times and mode kept: readers order two writers of one second by the time
+        # their segments were written (run._supersede), which a new time would reverse.
+        shutil.copystat(file, temporary)
         os.replace(temporary, file)
     except (OSError, pa.ArrowException) as exc:
-        temporary.unlink(missing_ok=True)
         raise RunError(one_line(f"{file}: cannot write the converted segment ({exc})")) from None
+    finally:
+        temporary.unlink(missing_ok=True)  # also on KeyboardInterrupt; gone already after the rename

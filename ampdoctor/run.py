@@ -290,8 +290,9 @@ def _readable_here(root: Path, segments: list[Segment]) -> tuple[list[Segment], 
     ``hist_bins``). Raises :class:`RunError`, naming the fix, when none is left."""
     warnings = [f"skipped segment {s.path.name}: {s.unreadable}" for s in segments if s.unreadable]
     readable = [s for s in segments if not s.unreadable]
-    if not readable:
-        raise RunError(one_line(f"{root}: {segments[0].unreadable}"))
+    unreadable = next((s.unreadable for s in segments if s.unreadable), None)
+    if unreadable and not any(s.rows for s in readable):  # what is left holds no row: name the fix
+        raise RunError(one_line(f"{root}: {unreadable}"))
     bins = min(readable, key=_segment_order).hist_bins
     for s in readable:
         if s.hist_bins != bins:
@@ -350,19 +351,13 @@ def load(path: str | os.PathLike, run_id: str | None = None) -> pd.DataFrame:
     return read_run(path, run_id).frame
 
 
-def _segment_order(segment: Segment) -> tuple[str, int, float, str]:
-    """Earliest first: by when its writer started (to the second), its number, then when it was
-    written (two writers started in the same second)."""
+def _segment_order(segment: Segment) -> tuple[str, int, str]:
     meta = segment.metadata
     try:
         number = int(meta.get(META_SEGMENT, "0"))
     except ValueError:
         number = 0
-    try:
-        written = segment.path.stat().st_mtime
-    except OSError:
-        written = 0.0
-    return meta.get(META_RUN_STARTED, ""), number, written, segment.path.name
+    return meta.get(META_RUN_STARTED, ""), number, segment.path.name
 
 
 def kind_mask(column: pa.Array, kinds: Sequence[str]) -> pa.Array:

@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from .hist_column import HIST_TYPE
 
-# 2: `hist` is a variable-length list<int32> (version 1: fixed_size_list<int32>[bins], which
+# 2: `hist` is a variable-length list<int64> (version 1: fixed_size_list<int32>[bins], which
 # pyarrow before 26 cannot read back with null rows; hist_column.py says why).
 SCHEMA_VERSION = 2
 

@@ -216,6 +216,8 @@ def _hist_statistics(footer: pq.FileMetaData, schema: pa.Schema) -> list | None:
     out = []
     for g in range(footer.num_row_groups):
         group = footer.row_group(g)
+        if group.num_rows == 0:  # no rows, no statistics, nothing to read
+            continue
         stats = group.column(leaf).statistics
         out.append((group.num_rows, stats if stats is not None and stats.has_null_count else None))
     return out

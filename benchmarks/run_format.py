@@ -1,4 +1,4 @@
-"""What the run file's `hist` encoding costs: schema version 2 (variable-length `list<int32>`, null
+"""What the run file's `hist` encoding costs: schema version 2 (variable-length `list<int64>`, null
 on light rows) against version 1 (`fixed_size_list<int32>[64]`), on segments as the writer builds
 them: bytes on disk per step, the writer thread's time per segment (Arrow conversion and zstd
 Parquet write), and the reader's time to decode the histograms into the analyses' matrix.
@@ -131,7 +131,8 @@ def main() -> None:
         print(f"{r['every']:>5} {r['version']:>7} {r['rows']:>8} {r['bytes_per_step']:>11,.0f} {r['write_ms']:>9.1f} "
               f"{r['read_hist_ms']:>13.1f}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+        commit = git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", "ampdoctor") else "")
         Path(args.json).write_text(json.dumps({
             "benchmark": "run_format", "machine": platform.machine(), "pyarrow": pa.__version__,
             "commit": commit, "results": results}, indent=2) + "\n")

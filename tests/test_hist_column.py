@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,16 +151,16 @@ def old_pyarrow(monkeypatch):
     error = pa.ArrowInvalid("Expected all lists to be of size=64 but index 238 had size=0")
     real_read, real_batches = pq.read_table, pq.ParquetFile.iter_batches
 
-    def fixed(schema) -> bool:
-        return "hist" in schema.names and pa.types.is_fixed_size_list(schema.field("hist").type)
+    def fixed(schema, rows: int) -> bool:  # an empty segment reads (the real ones do)
+        return rows > 0 and "hist" in schema.names and pa.types.is_fixed_size_list(schema.field("hist").type)
 
     def read_table(path, *args, columns=None, **kwargs):
-        if fixed(pq.read_schema(path)) and (columns is None or "hist" in columns):
+        if fixed(pq.read_schema(path), pq.read_metadata(path).num_rows) and (columns is None or "hist" in columns):
             raise error
         return real_read(path, *args, columns=columns, **kwargs)
 
     def iter_batches(self, *args, columns=None, **kwargs):
-        if fixed(self.schema_arrow) and (columns is None or "hist" in columns):
+        if fixed(self.schema_arrow, self.metadata.num_rows) and (columns is None or "hist" in columns):
             raise error
         return real_batches(self, *args, columns=columns, **kwargs)
 
@@ -251,7 +252,9 @@ def test_a_run_continued_after_the_upgrade_keeps_its_new_steps_under_an_old_pyar
     every command's output, and the rest is reported: the postmortem does not call the run healthy
     without saying it could not see the steps where the loss went NaN."""
     path = _continued(tmp_path)
-    v1 = sorted((V1_RUNS / "nan.parquet").glob("*.parquet"))
+    # The v1 segments with rows (an empty one, the final segment, is read: there is nothing in it).
+    v1 = sorted(p for p in (V1_RUNS / "nan.parquet").glob("*.parquet") if pq.read_metadata(p).num_rows)
+    assert len(v1) == 6
     for command, where in (("report", "warnings"), ("postmortem", "notes"), ("layers", "warnings"),
                            ("simulate", "notes"), ("info", "warnings")):
         result = CliRunner().invoke(main, [command, str(path), "--format", "json"])
@@ -262,6 +265,10 @@ def test_a_run_continued_after_the_upgrade_keeps_its_new_steps_under_an_old_pyar
     assert json.loads(CliRunner().invoke(main, ["info", str(path), "--format", "json"]).output)["steps"] == 12
     text = CliRunner().invoke(main, ["layers", str(path)]).output
     assert f"warning: skipped segment {v1[0].name}" in text
+    pytest.importorskip("tensorboard")
+    exported = CliRunner().invoke(main, ["export", str(path), "--tensorboard", str(tmp_path / "tb"), "--format", "json"])
+    assert exported.exit_code == 0, exported.output
+    assert sum(w.startswith("skipped segment ") for w in json.loads(exported.output)["warnings"]) == len(v1)
 
 
 def test_a_run_resumed_with_other_histogram_bins_skips_those_segments(tmp_path):
@@ -271,6 +278,7 @@ def test_a_run_resumed_with_other_histogram_bins_skips_those_segments(tmp_path):
 
     run = tmp_path / "run.parquet"
     train_recorded(run, steps=10, every=2)
+    time.sleep(1.05)  # the resumed process starts in a later second, as a resumed job does (run.started)
     train_recorded(run, steps=6, start_step=10, every=2, hist_bins=32)
     for command in ("report", "layers", "postmortem", "simulate"):
         result = CliRunner().invoke(main, [command, str(run), "--format", "json"])
@@ -331,6 +339,9 @@ def test_migrate_converts_a_version_1_run_in_place(tmp_path):
         assert {k: v for k, v in schema.metadata.items() if k not in (b"ampdoctor.schema_version", b"ARROW:schema")} \
             == {k: v for k, v in original.items() if k not in (b"ampdoctor.schema_version", b"ARROW:schema")}
     assert not list(run.glob(".*"))  # no temporary file left
+    for segment in run.glob("*.parquet"):  # times and modes kept: readers order writers by them
+        original = (V1_RUNS / "nan.parquet" / segment.name).stat()
+        assert (segment.stat().st_mtime, segment.stat().st_mode) == (original.st_mtime, original.st_mode)
     for command in ("report", "layers", "simulate", "postmortem", "info"):
         assert _json(command, run) == _json(command, reference), command
     again = CliRunner().invoke(main, ["migrate", str(run)])
@@ -362,3 +373,35 @@ def test_counts_past_two_to_the_31_survive(tmp_path):
     back = pq.read_table(path).column("hist")
     assert back.to_pylist() == [[0, 2_500_000_000, 0, 0]]
     assert hist_matrix(as_hist_column(back, 4), 4)[0, 1] == np.float32(2.5e9)
+
+
+def test_a_segment_of_more_counts_than_int32_offsets_address_is_a_large_list(tmp_path, monkeypatch):
+    """Past 2**31 counts in one segment (module rows of a large model at full detail) the column is
+    written as a large list, and read back as the same histograms (the threshold made small here)."""
+    from ampdoctor import hist_column
+
+    monkeypatch.setattr(hist_column, "LIST_VALUES", 100)
+    rng = np.random.default_rng(3)
+    parts, dense = _blocks("FLFF", 64, rng)
+    column = hist_array(parts, 64)
+    assert pa.types.is_large_list(column.type)
+    path = tmp_path / "large.parquet"
+    pq.write_table(pa.table({"hist": column}), path)
+    back = as_hist_column(pq.read_table(path).column("hist"), 64)
+    assert pa.types.is_large_list(back.type)  # still past the (small) threshold: kept large
+    np.testing.assert_array_equal(hist_matrix(back, 64), dense.astype(np.float32))
+    monkeypatch.setattr(hist_column, "LIST_VALUES", 2**31)
+    assert as_hist_column(back, 64).type == HIST_TYPE  # a batch that fits: one type with the others
+
+
+def test_the_footer_decides_which_version_1_segments_this_pyarrow_cannot_read(monkeypatch):
+    from ampdoctor import hist_column
+
+    fixed, listed = pa.list_(pa.int32(), 64), HIST_TYPE
+    monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (25, 0))
+    assert hist_column.unreadable_here(fixed, 3) and hist_column.unreadable_here(fixed, None)  # None: unknown
+    assert hist_column.unreadable_here(fixed, 0) is None       # no null row: every pyarrow reads it
+    assert hist_column.unreadable_here(listed, 3) is None      # version 2
+    assert hist_column.unreadable_here(None, None) is None     # no hist column
+    monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (26, 0))
+    assert hist_column.unreadable_here(fixed, 3) is None

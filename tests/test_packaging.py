@@ -86,11 +86,15 @@ def test_a_failed_import_says_what_to_change(versions):
     message = dependencies.import_problem(ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.4"))
     assert message == ("a package ampdoctor needs failed to import (pyarrow requires NumPy 2.0 or newer, found "
                        "1.26.4): pyarrow 26.0.1 needs numpy 2.x, not 1.26.4: pip install 'numpy>=2', or 'pyarrow<26'")
-    versions(numpy="2.4.6", pandas="2.1.0")
-    message = dependencies.import_problem(ImportError("numpy.dtype size changed, may indicate binary incompatibility"),
+    versions(numpy="2.4.6", pandas="2.1.0")  # a known pair: its fix
+    message = dependencies.import_problem(ValueError("numpy.dtype size changed, may indicate binary incompatibility"),
                                           "pandas")
-    assert message.startswith("pandas 2.1.0 failed to import (numpy.dtype size changed")
-    assert "installed: numpy 2.4.6, pandas 2.1.0" in message and "Supported versions" in message
+    assert message == ("pandas 2.1.0 failed to import (numpy.dtype size changed, may indicate binary incompatibility): "
+                       "pandas 2.1.0 needs numpy 1.x, not 2.4.6: pip install 'pandas>=2.2.2'")
+    versions(numpy="2.4.6", pandas="2.2.3")  # no known pair: the versions, and where the working ones are
+    message = dependencies.import_problem(ValueError("numpy.dtype size changed"), "pandas")
+    assert message.startswith("pandas 2.2.3 failed to import (numpy.dtype size changed)")
+    assert "installed: numpy 2.4.6, pandas 2.2.3" in message and "Supported versions" in message
     missing = ModuleNotFoundError("No module named 'pyarrow'", name="pyarrow")
     assert dependencies.import_problem(missing) == "pyarrow is not installed (pip install pyarrow)"
 
@@ -113,25 +117,40 @@ def test_a_known_broken_pair_is_refused_before_pyarrow_is_imported(versions, mon
                                      "or 'numpy<2'")
 
 
-def _raised_in(package: str, message: str):
-    """An ImportError raised from a frame of ``package``'s own files (as a real failed import is)."""
-    code = compile(f"raise ImportError({message!r})", f"/site-packages/{package}/__init__.py", "exec")
+def _import_failing_in(tmp_path, package: str, error: str):
+    """A function that imports a module of ``package``'s directory whose import raises ``error``
+    (as a build for another numpy raises ValueError: "numpy.dtype size changed")."""
+    import importlib.util
+
+    source = tmp_path / "site-packages" / package / "_broken.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(f"raise {error}\n")
 
     def fail(*args, **kwargs):
-        exec(code, {})
+        spec = importlib.util.spec_from_file_location(f"{package}_broken_for_test", source)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
     return fail
 
 
 def test_any_other_failed_import_names_the_package_and_the_versions(versions, monkeypatch, tmp_path):
     import ampdoctor.run
 
-    versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.1.0")
-    monkeypatch.setattr(ampdoctor.run, "read_run", _raised_in("pandas", "numpy.dtype size changed"))
+    versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.2.3")
+    monkeypatch.setattr(ampdoctor.run, "read_run",
+                        _import_failing_in(tmp_path, "pandas", "ValueError('numpy.dtype size changed')"))
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "Error: pandas 2.1.0 failed to import (numpy.dtype size changed); installed: numpy 2.4.6, pyarrow 26.0.1, "
-        "pandas 2.1.0; the README's \"Supported versions\" lists the combinations that work"]
+        "Error: pandas 2.2.3 failed to import (numpy.dtype size changed); installed: numpy 2.4.6, pyarrow 26.0.1, "
+        "pandas 2.2.3; the README's \"Supported versions\" lists the combinations that work"]
+    # The known pair is named before the import is tried.
+    versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.1.4")
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.output.strip() == "Error: pandas 2.1.4 needs numpy 1.x, not 2.4.6: pip install 'pandas>=2.2.2'"
+    # A ValueError of our own, not raised while importing a dependency, stays an internal error.
+    monkeypatch.setattr(ampdoctor.run, "read_run", lambda *a, **k: (_ for _ in ()).throw(ValueError("ours")))
+    versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.2.3")
+    assert "internal error: ValueError: ours" in CliRunner().invoke(main, ["report", str(tmp_path)]).output
     # An import of ampdoctor's own modules that fails is a bug, and says so.
     monkeypatch.setattr(ampdoctor.run, "read_run",
                         lambda *a, **k: (_ for _ in ()).throw(ModuleNotFoundError("x", name="ampdoctor.nothing")))

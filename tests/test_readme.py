@@ -105,6 +105,20 @@ def test_a_real_change_is_stale(old, new):
     assert not readme_examples.same_output(SHOWN, _edit(old, new))
 
 
+def test_binades_compare_by_their_last_digit_and_sign():
+    """Headroom and exponents (``about 2**16.0``) within one unit of their last digit, never across
+    0; shares within 0.6 points ("underflow rate 0.9% instead of 0" is a change)."""
+    parse, close = readme_examples.Number.parse, readme_examples.close
+    line = readme_examples.Line.parse
+    assert line("reaches about 2**16.0 (from").matches(line("reaches about 2**16.1 (from"))
+    assert not line("reaches about 2**16.0 (from").matches(line("reaches about 2**16.8 (from"))
+    assert close(parse("+0.0"), parse("+0.1")) and not close(parse("+0.0"), parse("-0.1"))  # -: it overflowed
+    assert close(parse("16.0", exponent_of=True), parse("16.1", exponent_of=True))
+    assert not close(parse("16.0", exponent_of=True), parse("16.8", exponent_of=True))   # 5% would pass it
+    assert close(parse("0"), parse("0.521%")) and not close(parse("0"), parse("0.9%"))
+    assert close(parse("11.3%"), parse("11.8%"))  # within 5% of itself
+
+
 def test_rows_out_of_order_by_more_than_rounding_are_stale():
     head = "  head.weight                     param_grad          0        0        0        0     +3.6   0.0804\n"
     moved = _edit(head, "").replace("  … 14 more", head + "  … 14 more")

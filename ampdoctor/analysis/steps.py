@@ -82,7 +82,7 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     frame = table.drop_columns(["hist", "loss"]).to_pandas()
     loss = table.column("loss").to_numpy(zero_copy_only=False).astype(np.float64)  # null → NaN
     recorded = table.column("loss").is_valid().to_numpy(zero_copy_only=False)
-    hist = hist_matrix(table.column("hist"), bins).astype(np.float64)
+    hist = hist_matrix(table.column("hist"), bins, np.float64)  # summed over ranks: exact
     frame["loss"] = loss
     frame["loss_recorded"] = recorded
     frame["forced"] = recorded & ~np.isfinite(loss)

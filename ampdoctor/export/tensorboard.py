@@ -78,7 +78,7 @@ def export_tensorboard(run: Run | str | os.PathLike, logdir: str | os.PathLike) 
             for partial in Path(logdir).glob(f"rank*/{EVENT_PREFIX}*"):
                 partial.unlink(missing_ok=True)
     return {"path": str(run.path), "run_id": run.metadata.get(META_RUN_ID, ""), "logdir": str(logdir),
-            "ranks": [counts[r] for r in sorted(counts)]}
+            "ranks": [counts[r] for r in sorted(counts)], "warnings": list(run.warnings)}
 
 
 def _summary_writer_class():
