@@ -119,6 +119,16 @@ def test_binades_compare_by_their_last_digit_and_sign():
     assert close(parse("11.3%"), parse("11.8%"))  # within 5% of itself
 
 
+def test_a_tied_row_may_take_the_last_place_of_a_cut_table():
+    """Rows 15 and 16 of the quick start's layer table differ by 4% in amax: on another CPU the 16th
+    may be shown in the 15th's place, the other cut ("… 14 more"). A row that does not tie may not."""
+    last = "  blocks.0.mlp.2.weight (Linear)  param_grad          0        0        0        0     +4.9    0.034\n"
+    tied = "  blocks.1.ln1.bias               param_grad          0        0        0        0     +4.9   0.0329\n"
+    other = "  blocks.1.ln1.bias               param_grad          0        0        0        0     +5.6   0.0205\n"
+    assert readme_examples.same_output(SHOWN, _edit(last, tied))
+    assert not readme_examples.same_output(SHOWN, _edit(last, other))
+
+
 def test_rows_out_of_order_by_more_than_rounding_are_stale():
     head = "  head.weight                     param_grad          0        0        0        0     +3.6   0.0804\n"
     moved = _edit(head, "").replace("  … 14 more", head + "  … 14 more")
