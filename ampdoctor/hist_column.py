@@ -26,7 +26,6 @@ import sys
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 HIST_TYPE = pa.list_(pa.int64())
 _LARGE_HIST_TYPE = pa.large_list(pa.int64())

@@ -13,7 +13,6 @@ import warnings
 
 import torch
 
-from .schema import META_RUN_ID
 
 
 def env_run_id() -> str | None:

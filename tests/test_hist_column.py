@@ -17,8 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from ampdoctor.cli import main
-from ampdoctor.hist_column import (HIST_TYPE, READS_V1_NULLS, BadHistogram, as_hist_column, hist_array, hist_matrix,
-                                   pyarrow_too_old_for)
+from ampdoctor.hist_column import (HIST_TYPE, READS_V1_NULLS, BadHistogram, as_hist_column, hist_array, hist_matrix)
 from ampdoctor.run import read_run
 from ampdoctor.schema import SCHEMA_VERSION
 
