@@ -45,7 +45,7 @@ def installed(package: str) -> str | None:
         return None
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """The leading numbers of a version: ``2.0.0rc1`` → (2, 0, 0), ``2.6.0+cu124`` → (2, 6, 0)."""
     parts = []
     for piece in version.split("+")[0].split("."):
@@ -64,7 +64,7 @@ def conflicts(packages: tuple[str, ...] = ("pyarrow",)) -> list[str]:
     numpy = installed("numpy")
     if numpy is None:
         return []
-    major = _release(numpy)[:1]
+    major = release(numpy)[:1]
     out = []
     for package, first, end, needs, fix in NUMPY_PAIRS:
         if package not in packages:
@@ -72,8 +72,8 @@ def conflicts(packages: tuple[str, ...] = ("pyarrow",)) -> list[str]:
         version = installed(package)
         if version is None or major == (needs,):
             continue
-        release = _release(version)
-        if release >= first and (end is None or release < end):
+        numbers = release(version)
+        if numbers >= first and (end is None or numbers < end):
             out.append(f"{package} {version} needs numpy {needs}.x, not {numpy}: {fix}")
     return out
 

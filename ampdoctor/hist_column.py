@@ -27,6 +27,8 @@ import sys
 import numpy as np
 import pyarrow as pa
 
+from .dependencies import release
+
 HIST_TYPE = pa.list_(pa.int64())
 _LARGE_HIST_TYPE = pa.large_list(pa.int64())
 LIST_VALUES = 2**31  # a list array's int32 offsets address fewer values than this; the large variant more
@@ -61,13 +63,18 @@ def hist_array(parts: list[np.ndarray], bins: int) -> pa.Array:
         else:
             lengths.append(np.zeros(len(block), dtype=np.int64))
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    values = pa.array(np.concatenate(flat) if flat else np.zeros(0, np.int64), type=pa.int64())
+    return _lists(length, values)
+
+
+def _lists(length: np.ndarray, values: pa.Array) -> pa.Array:
+    """Lists of ``length[i]`` of ``values`` each, a zero length being a null list (the form every
+    pyarrow from 14 on writes and reads); the large variant past :data:`LIST_VALUES` values."""
     large = int(length.sum()) >= LIST_VALUES
     offsets = np.zeros(len(length) + 1, dtype=np.int64 if large else np.int32)
     np.cumsum(length, out=offsets[1:])
-    values = pa.array(np.concatenate(flat) if flat else np.zeros(0, np.int64), type=pa.int64())
     null = length == 0
     cls = pa.LargeListArray if large else pa.ListArray
-    # A null list with a zero-length span: the form every pyarrow from 14 on writes and reads.
     return cls.from_arrays(pa.array(offsets), values, mask=pa.array(null) if null.any() else None)
 
 
@@ -81,13 +88,8 @@ def as_hist_column(column: pa.Array | pa.ChunkedArray, bins: int) -> pa.Array:
         if column.type.list_size != bins:
             raise BadHistogram(f"hist column of {column.type.list_size} bins where hist.bins says {bins}")
         valid = column.is_valid().to_numpy(zero_copy_only=False)
-        offsets = np.zeros(len(column) + 1, dtype=np.int64)
-        np.cumsum(valid * bins, out=offsets[1:])
         # The valid rows' counts only: a null row's stored counts are never read, nor kept.
-        values = column.flatten().cast(pa.int64())
-        cls = pa.LargeListArray if offsets[-1] >= LIST_VALUES else pa.ListArray
-        column = cls.from_arrays(pa.array(offsets.astype(np.int64 if cls is pa.LargeListArray else np.int32)),
-                                 values, mask=pa.array(~valid) if not valid.all() else None)
+        column = _lists(valid * np.int64(bins), column.flatten().cast(pa.int64()))
     elif pa.types.is_large_list(column.type) or column.type.value_type != pa.int64():
         # One type for every segment, so that they concatenate: the large variant only when needed.
         span = np.asarray(column.offsets)[[0, -1]] if pa.types.is_large_list(column.type) else (0, 0)
@@ -126,9 +128,8 @@ def hist_matrix(column: pa.Array | pa.ChunkedArray, bins: int, dtype=np.float32)
     return out
 
 
-def _pyarrow_release() -> tuple[int, int]:
-    major, minor = (re.match(r"(\d+)\.(\d+)", pa.__version__) or re.match(r"(\d+)()", pa.__version__)).groups()
-    return int(major), int(minor or 0)
+def _pyarrow_release() -> tuple[int, ...]:
+    return release(pa.__version__)
 
 
 def unreadable_here(hist_type: pa.DataType | None, null_rows: int | None) -> str | None:
@@ -153,11 +154,7 @@ def _too_old_message() -> str:
     if sys.version_info < (3, 11):
         return (f"{why} (pyarrow >= {needed} can, on Python >= 3.11): convert it once where that is installed "
                 f"with `ampdoctor migrate RUN`, and every supported pyarrow reads it")
-    try:
-        import numpy
-        numpy_major = int(numpy.__version__.split(".")[0])
-    except (ImportError, ValueError):
-        numpy_major = 2
-    install = f"pip install 'pyarrow>={needed}'" + (" 'numpy>=2'" if numpy_major < 2 else "")
+    import numpy  # the one in use (pyarrow 26 refuses numpy 1 at import)
+    install = f"pip install 'pyarrow>={needed}'" + (" 'numpy>=2'" if release(numpy.__version__) < (2,) else "")
     return (f"{why} (pyarrow >= {needed} can): {install}, or convert it once where that is installed with "
             f"`ampdoctor migrate RUN`")

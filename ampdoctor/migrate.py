@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from .errors import RunError, one_line
 from .hist_column import BadHistogram, as_hist_column
 from .schema import META_SCHEMA_VERSION, SCHEMA_VERSION
-from .segment import BadSegment, ForeignParquet, read_segment
+from .segment import BadSegment, ForeignParquet, is_finished_segment, read_segment
 
 
 @dataclass
@@ -41,8 +41,7 @@ def migrate_run(path: str | os.PathLike) -> Migration:
     that holds no segment, or when the installed pyarrow cannot read a version 1 segment."""
     root = Path(path)
     if root.is_dir():
-        files = sorted(p for p in root.iterdir()
-                       if p.is_file() and p.suffix == ".parquet" and not p.name.startswith((".", "_")))
+        files = sorted(p for p in root.iterdir() if is_finished_segment(p))
     elif root.is_file():
         files = [root]
     else:

@@ -25,7 +25,7 @@ from .hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
 from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
                      META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
                      META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION, meta_number)
-from .segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_segment
+from .segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, is_finished_segment, read_segment
 
 
 @dataclass
@@ -219,8 +219,7 @@ def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Se
             entries = list(root.iterdir())
         except OSError as exc:
             raise RunError(f"{root}: cannot list the directory ({exc.strerror})") from None
-        files = sorted(p for p in entries
-                       if p.is_file() and p.suffix == ".parquet" and not p.name.startswith((".", "_")))
+        files = sorted(p for p in entries if is_finished_segment(p))
         if not files:
             unfinished = any(p.name.startswith(".") and p.name.endswith(".tmp") for p in entries)
             raise RunError(f"{root}: no finished segments (only a segment still being written)"

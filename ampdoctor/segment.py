@@ -47,6 +47,13 @@ class Segment:
         return bins if isinstance(bins, int) else HIST_BINS
 
 
+def is_finished_segment(path: Path) -> bool:
+    """Whether a directory entry is a closed segment: ``*.parquet``, not hidden (a segment being
+    written is ``.NAME.tmp``; names beginning with ``_`` are other tools', as pyarrow's discovery
+    skips them)."""
+    return path.suffix == ".parquet" and not path.name.startswith((".", "_")) and path.is_file()
+
+
 class BadSegment(Exception):
     """A damaged segment in a run directory: skipped, the rest of the run read."""
 
