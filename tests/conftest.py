@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton's interpreter runs the triton algorithm's kernels on CPU tensors (it must
+# be chosen before the kernels are defined, when ampdoctor.stats.full_triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

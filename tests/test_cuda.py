@@ -13,6 +13,7 @@ import ampdoctor
 from ampdoctor.formats import FLOAT16
 from ampdoctor.analysis.origins import find_origins
 from ampdoctor.run import read_run
+from ampdoctor.scaler import _Recording  # (ampdoctor.scaler is an attribute only once imported)
 from ampdoctor.stats import full_stats, light_stats
 from ampdoctor.transfer import HostCopies
 from models import MLP, DeepNet, batches, mse
@@ -36,7 +37,7 @@ def _train(make_scaler, optimizer_kw, steps=12, inject=None):
         skipped.append(sum(v.item() for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()) > 0)
         scaler.update()
         opt.zero_grad()
-    if isinstance(scaler, ampdoctor.scaler._Recording):
+    if isinstance(scaler, _Recording):
         scaler.close()
     return [p.detach().cpu() for p in model.parameters()], scaler.get_scale(), scaler._get_growth_tracker(), skipped
 
@@ -77,7 +78,7 @@ def _syncs_per_step(make_scaler, steps=6, warmup=3):
                 torch.cuda.set_sync_debug_mode("default")
         if i >= warmup:
             counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    if isinstance(scaler, ampdoctor.scaler._Recording):
+    if isinstance(scaler, _Recording):
         scaler.close()
     return counts
 
@@ -113,15 +114,16 @@ def _mixed_tensors(dtype):
     """A tensor of more than 64 Ki elements beside small ones (CUDA's _foreach_max before torch
     2.11 got the small ones wrong for negative values), zeros, and non-finite values."""
     gen = torch.Generator().manual_seed(0)
-    special = torch.tensor([math.inf, math.nan, 1e-30, -2.0, 0.0])
+    special = torch.tensor([math.inf, math.nan, 1e-30, -2.0, 0.0, 1e-40, -3e-39])  # float32 subnormals too
     return [t.to(dtype) for t in (torch.randn(70_000, generator=gen), torch.randn(100, generator=gen) * 1e-3,
                                   torch.zeros(5), special, torch.zeros(0))]
 
 
+@pytest.mark.parametrize("algorithm", [None, "accelerator"])  # None: the default, triton where it runs
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("per_tensor", [True, False])
-def test_accelerator_statistics_on_cuda_equal_the_host_ones(dtype, per_tensor):
-    """Issue 17: the accelerator algorithm on a real GPU, also under deterministic algorithms
+def test_accelerator_statistics_on_cuda_equal_the_host_ones(dtype, per_tensor, algorithm):
+    """Issue 17: the accelerator algorithms on a real GPU, also under deterministic algorithms
     (scatter_reduce raised there), against the host algorithm on the same values."""
     tensors = _mixed_tensors(dtype)
     inv = torch.tensor(2.0**-10)
@@ -130,7 +132,7 @@ def test_accelerator_statistics_on_cuda_equal_the_host_ones(dtype, per_tensor):
     for deterministic in (False, True):
         torch.use_deterministic_algorithms(deterministic)
         try:
-            raw = full_stats([t.cuda() for t in tensors], inv_scale=inv.cuda(), **kw)
+            raw = full_stats([t.cuda() for t in tensors], inv_scale=inv.cuda(), algorithm=algorithm, **kw)
             light = light_stats([t.cuda() for t in tensors], inv_scale=inv.cuda())
         finally:
             torch.use_deterministic_algorithms(False)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import os
 import sys
 from unittest import mock
 import weakref
@@ -15,11 +17,17 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ampdoctor.formats import BFLOAT16, FLOAT16, FLOAT32, float_format
-from ampdoctor.stats import ALGORITHMS, HostStats, SlotLayouts, full_stats, light_stats, tensor_peaks
+from ampdoctor.stats import ALGORITHMS, FULL_ALGORITHMS, HostStats, SlotLayouts, full_stats, light_stats, tensor_peaks
 from ampdoctor.stats import full as full_module, light as light_module
 from ampdoctor.stats.full import SLOT_STRIDE
 
 MIN_EXP, BINS = -56, 64
+# The full statistics' algorithms; triton's kernels run on CPU tensors under Triton's interpreter
+# (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU).
+TRITON_ON_CPU = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+FULL = [pytest.param(a, marks=pytest.mark.skipif(a == "triton" and not TRITON_ON_CPU,
+                                                 reason="Triton's interpreter is not available"))
+        for a in FULL_ALGORITHMS]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -89,7 +97,7 @@ def _check(got: HostStats, i: int, ref: dict) -> None:
         assert got.l2[i] == pytest.approx(np.float32(ref["l2"]), rel=1e-5, abs=1e-45)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", FULL)
 @settings(max_examples=150, deadline=None)
 @given(scaled_tensors())
 def test_per_tensor_stats_match_float64_reference(algorithm, case):
@@ -101,7 +109,7 @@ def test_per_tensor_stats_match_float64_reference(algorithm, case):
         _check(got, i, reference(t, scale, amp))
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", FULL)
 @settings(max_examples=60, deadline=None)
 @given(scaled_tensors())
 def test_whole_model_stats_are_the_total_of_per_tensor_stats(algorithm, case):
@@ -117,7 +125,7 @@ def test_whole_model_stats_are_the_total_of_per_tensor_stats(algorithm, case):
     np.testing.assert_array_equal(per.hist, whole.hist)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", FULL)
 def test_chunking_splits_large_tensors_without_changing_results(monkeypatch, algorithm):
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(37, generator=gen) * 1e-3, torch.randn(5, 7, generator=gen), torch.zeros(0),
@@ -125,7 +133,14 @@ def test_chunking_splits_large_tensors_without_changing_results(monkeypatch, alg
     kw = dict(inv_scale=torch.tensor(1.0 / 1024), subnormal_below=FLOAT16.smallest_normal, algorithm=algorithm)
     expected = full_stats(tensors, **kw).decode()
     # tensors span chunks, chunks mix slots
-    monkeypatch.setattr(full_module, "CHUNK_ELEMENTS" if algorithm == "accelerator" else "CPU_CHUNK_ELEMENTS", 6)
+    if algorithm == "triton":  # tiles of 8 elements: tensors span several, a slot's are added in steps
+        from ampdoctor.stats import full_triton
+        monkeypatch.setattr(full_triton, "BLOCK", 4)
+        monkeypatch.setattr(full_triton, "MIN_TILE", 8)
+        monkeypatch.setattr(full_triton, "_SLOT_ROWS", 2)
+        monkeypatch.setattr(full_triton, "_plan", full_triton._Plan)  # uncached: plans of these tiles stay here
+    else:
+        monkeypatch.setattr(full_module, "CHUNK_ELEMENTS" if algorithm == "accelerator" else "CPU_CHUNK_ELEMENTS", 6)
     got = full_stats(tensors, layouts=SlotLayouts(), **kw).decode()
     for field in HostStats.__dataclass_fields__:
         np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))
@@ -214,7 +229,7 @@ def test_tensor_peaks_see_nan_and_inf(dtype, algorithm):
     assert got[3] == 0 and torch.isnan(got[4]) and got[5] == 3.0
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", FULL)
 @pytest.mark.parametrize("magnitude", [1e-42, 1e-30, 1.0, 1e25, 1e36])
 def test_full_norm_has_no_float32_overflow_or_underflow(magnitude, algorithm):
     """The full statistics' sum of squares is float32 partial sums rescaled by a power of two
@@ -274,7 +289,7 @@ def test_full_stats_accelerator_launches_grow_with_chunks_not_tensors(per_tensor
             full_stats(tensors, inv_scale=torch.tensor(2.0**-10), per_tensor=per_tensor,
                        subnormal_below=FLOAT16.smallest_normal, algorithm="accelerator")
         totals.append(counter.launches)
-    assert totals[0] == totals[1] and totals[0] < 40, totals
+    assert totals[0] == totals[1] and totals[0] <= 64, totals  # (the sort, prefix sums and foreach reductions of one chunk)
 
 
 @pytest.mark.parametrize("per_tensor", [True, False])
@@ -351,9 +366,11 @@ class LiveBytes(OpCounter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_accelerator_temporaries_stay_near_16_bytes_per_element(monkeypatch, dtype):
+def test_accelerator_temporaries_stay_within_32_bytes_per_element(monkeypatch, dtype):
     """Issue 17: the old scatter algorithm held ~64 bytes per element at its peak (256 MiB per
-    2**22-element chunk, during unscale_)."""
+    2**22-element chunk, during unscale_). Issue 26's sort holds int64 indices: chunks of 2**21
+    elements keep the peak under 64 MiB."""
+    assert full_module.CHUNK_ELEMENTS * 32 <= 64 << 20
     monkeypatch.setattr(full_module, "CHUNK_ELEMENTS", 1 << 16)
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=gen).to(dtype) for n in [1000] * 40 + [30_000, 70_000]]
@@ -361,7 +378,7 @@ def test_accelerator_temporaries_stay_near_16_bytes_per_element(monkeypatch, dty
         full_stats(tensors, inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal,
                    algorithm="accelerator")
     per_element = tracker.peak / (1 << 16)
-    assert 8 < per_element <= 16, per_element
+    assert 8 < per_element <= 32, per_element
 
 
 def test_layouts_of_a_large_model_are_all_cached():

@@ -10,17 +10,18 @@ Two kinds:
   in zero lines, per tensor or for all of them together.
 
 Each kind has two algorithms, in its own module: *host* for CPU tensors, *accelerator* (a fixed
-number of launches, no float atomics) for every other device. :mod:`.algorithms` says which one
+number of launches, no float atomics) for every other device; the full statistics have a third,
+*triton* (:mod:`.full_triton`, fused kernels), used on CUDA wherever Triton runs. :mod:`.algorithms` says which one
 runs: :func:`algorithm_for` the device, or ``algorithm=`` explicitly, so the tests also run the
 accelerator one on CPU tensors. On the writer thread, host copies of either kind become numpy arrays per
 slot (:class:`HostStats`, :mod:`.host_stats`).
 """
 
-from .algorithms import ALGORITHMS, algorithm_for
+from .algorithms import ALGORITHMS, FULL_ALGORITHMS, algorithm_for
 from .full import CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS, FullStats, SlotLayouts, full_stats, zero_line_elements
 from .host_stats import HostStats
 from .light import LightStats, extremes, light_stats, peaks_from_extremes, tensor_peaks
 
-__all__ = ["ALGORITHMS", "algorithm_for", "CHUNK_ELEMENTS", "CPU_CHUNK_ELEMENTS", "FullStats", "SlotLayouts",
+__all__ = ["ALGORITHMS", "FULL_ALGORITHMS", "algorithm_for", "CHUNK_ELEMENTS", "CPU_CHUNK_ELEMENTS", "FullStats", "SlotLayouts",
            "full_stats", "zero_line_elements", "HostStats", "LightStats", "extremes", "light_stats",
            "peaks_from_extremes", "tensor_peaks"]

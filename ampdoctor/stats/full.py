@@ -17,9 +17,10 @@ and code yields the histogram and the NaN and inf counts; :meth:`FullStats.decod
 binades onto histogram bins on the host. The smallest nonzero and the largest finite magnitude
 are exact.
 
-Two algorithms compute the same numbers over chunks of the tensors: *host* reduces the slices of
-each chunk one by one; *accelerator* runs a fixed number of launches per chunk whatever the number
-of tensors in it, with no float atomics (results are the same run to run;
+Three algorithms compute the same numbers: *host* reduces the slices of each chunk of the tensors
+one by one; *accelerator* (pure torch) runs a fixed number of launches per chunk whatever the
+number of tensors in it; *triton* (:mod:`.full_triton`, CUDA) two fused kernels for the whole
+call. None uses float atomics or atomics into a few addresses (results are the same run to run;
 ``use_deterministic_algorithms`` is respected). Nothing here calls ``.item()``, boolean indexing
 or any other op whose output size depends on data, so on an accelerator it queues kernels and
 returns.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
@@ -39,7 +41,7 @@ from ..schema import HIST_BINS, HIST_MIN_EXP
 from .algorithms import choose_algorithm, rescaled_norm
 from .host_stats import HostStats, to_float32
 
-CHUNK_ELEMENTS = 1 << 22  # bounds the accelerator algorithm's temporaries: ~16 bytes per element
+CHUNK_ELEMENTS = 1 << 21  # bounds the accelerator algorithm's temporaries: ~28 bytes per element, ~56 MiB
 # On the CPU, chunks whose temporaries stay in cache: fresh multi-MB temporaries cost a page fault
 # per 4 KiB, which made the pass 2-4x slower than its arithmetic.
 CPU_CHUNK_ELEMENTS = 1 << 18
@@ -113,9 +115,19 @@ def _binade_to_bin(min_exp: int, bins: int) -> np.ndarray:
     return out
 
 
+class SlotLayout(NamedTuple):
+    """The small index tensors of one chunk layout, on the device (see :class:`SlotLayouts`)."""
+
+    starts: torch.Tensor      # int64 [segments]: where each segment starts in the chunk
+    lasts: torch.Tensor       # int64 [segments]: its last element
+    steps: torch.Tensor       # key dtype [segments]: (slot - previous segment's slot) * SLOT_STRIDE, 0 first
+    slot_bases: torch.Tensor  # int64 [segments]: slot * SLOT_STRIDE
+    edges: torch.Tensor       # key dtype: 0 .. (last slot - first slot + 1) * SLOT_STRIDE, the keys' bounds
+
+
 class SlotLayouts:
     """Caches, per chunk layout, the small index tensors of the accelerator algorithm on the
-    device: where each segment starts, and the step in ``slot * SLOT_STRIDE`` there.
+    device (:class:`SlotLayout`).
 
     Built from Python lists they are a host-to-device copy; the layouts of a model's gradients
     rarely change, so each is built once. Least recently used layouts go first when the cache is
@@ -123,12 +135,12 @@ class SlotLayouts:
     layouts than the cache holds (GPT-2-XL has 193) costs an asynchronous copy per miss, no stall."""
 
     def __init__(self, max_entries: int = 1024) -> None:
-        self._cache: collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple, SlotLayout] = collections.OrderedDict()
         self._max_entries = max_entries
         self.misses = 0
 
-    def get(self, device: torch.device, segments: tuple[tuple[int, int, int], ...], dtype=torch.int32):
-        """``(starts, steps)`` of the chunk's ``(slot, start, length)`` segments: int64 and ``dtype``."""
+    def get(self, device: torch.device, segments: tuple[tuple[int, int, int], ...], dtype=torch.int32) -> SlotLayout:
+        """The :class:`SlotLayout` of the chunk's ``(slot, start, length)`` segments, keys of ``dtype``."""
         key = (device, segments, dtype)
         hit = self._cache.get(key)
         if hit is not None:
@@ -138,12 +150,16 @@ class SlotLayouts:
         if len(self._cache) >= self._max_entries:
             self._cache.popitem(last=False)
         slots = [slot for slot, _, _ in segments]
+        n_edges = (slots[-1] - slots[0] + 1) * SLOT_STRIDE + 1
         host = torch.tensor([[start for _, start, _ in segments],
-                             [(b - a) * SLOT_STRIDE for a, b in zip([0] + slots, slots)]], dtype=torch.int64)
+                             [start + length - 1 for _, start, length in segments],
+                             [(b - a) * SLOT_STRIDE for a, b in zip(slots[:1] + slots, slots)],
+                             [slot * SLOT_STRIDE for slot in slots]], dtype=torch.int64)
         if device.type != "cpu" and torch.accelerator.is_available():
             host = host.pin_memory()  # pageable memory would make the copy synchronous
-        starts, steps = host.to(device, non_blocking=True).unbind(0)
-        hit = self._cache[key] = (starts, steps.to(dtype))
+        starts, lasts, steps, bases = host.to(device, non_blocking=True).unbind(0)
+        edges = torch.arange(n_edges, dtype=dtype, device=device)
+        hit = self._cache[key] = SlotLayout(starts, lasts, steps.to(dtype), bases, edges)
         return hit
 
     def __len__(self) -> int:
@@ -169,21 +185,51 @@ def full_stats(
 
     ``inv_scale`` is the 0-dim float32 reciprocal of the loss scale on the same device (None when
     scaling is off); ``subnormal_below`` is the AMP format's smallest normal; ``lines`` how the
-    zero lines are counted (:func:`zero_line_elements`); ``algorithm`` ``"host"`` or
-    ``"accelerator"`` (default: :func:`~ampdoctor.stats.algorithm_for` the device). Does not sync.
+    zero lines are counted (:func:`zero_line_elements`); ``algorithm`` ``"host"``,
+    ``"accelerator"`` or ``"triton"`` (default: :func:`~ampdoctor.stats.algorithm_for` the
+    device). Does not sync.
     """
     if not tensors:
         raise ValueError("full_stats needs at least one tensor")
-    algorithm = choose_algorithm(algorithm, tensors)
+    algorithm = choose_algorithm(algorithm, tensors, full=True)
     job = _Job.of(tensors, per_tensor, inv_scale, subnormal_below)
-    line_zeros = _line_zeros(tensors, per_tensor, lines)
     with torch.no_grad():
+        if algorithm == "triton":
+            fields = _triton(tensors, job, per_tensor, hist_min_exp, hist_bins, lines)
+            if fields is not None:
+                return FullStats(*fields, hist_min_exp, hist_bins)
+            algorithm = "accelerator"
+        line_zeros = _line_zeros(tensors, per_tensor, lines)
         if algorithm == "host":
             totals = _host_algorithm(job, _chunks(tensors, per_tensor, CPU_CHUNK_ELEMENTS))
         else:
             totals = _accelerator_algorithm(job, _chunks(tensors, per_tensor, CHUNK_ELEMENTS),
                                             _DEFAULT_LAYOUTS if layouts is None else layouts)
     return FullStats(totals.counts, totals.amax, totals.amin_code, totals.sumsq, line_zeros, hist_min_exp, hist_bins)
+
+
+_TRITON_FAILED: list[str] = []  # why the triton algorithm stopped being used in this process, if it did
+
+
+def _triton(tensors: Sequence[torch.Tensor], job: "_Job", per_tensor: bool, hist_min_exp: int, hist_bins: int,
+            lines: str) -> tuple | None:
+    """The triton algorithm's ``(counts, amax, amin_code, sumsq, line_zeros)``, or None where it
+    cannot run here (a Triton too old or broken to compile the kernels): then this process uses
+    the accelerator algorithm from here on, after one warning, rather than stop recording.
+    Compilation comes before any launch, so a failure leaves nothing half done."""
+    if _TRITON_FAILED:
+        return None
+    try:
+        from .full_triton import triton_full_stats  # imports Triton: only where it runs
+
+        return triton_full_stats(tensors, per_tensor=per_tensor, inv_scale=job.inv_scale, threshold=job.threshold,
+                                 hist_min_exp=hist_min_exp, hist_bins=hist_bins, lines=lines,
+                                 slot_stride=SLOT_STRIDE, above_at=_ABOVE)
+    except Exception as exc:  # noqa: BLE001 - the torch algorithm computes the same numbers
+        _TRITON_FAILED.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+        warnings.warn(f"ampdoctor: the Triton statistics kernels failed here ({_TRITON_FAILED[0]}); "
+                      "using the slower torch algorithm instead", RuntimeWarning, stacklevel=4)
+        return None
 
 
 @dataclass
@@ -321,12 +367,15 @@ class _SegmentResult(NamedTuple):
 
 
 def _accelerator_algorithm(job: _Job, chunks: Chunks, layouts: SlotLayouts) -> _Totals:
-    """A fixed number of launches per chunk whatever its number of tensors. Counts go through
-    ``index_add_`` on integers (exact in any order; deterministic under
-    ``torch.use_deterministic_algorithms``); maxima, minima and sums of squares through grouped
-    reductions over the chunk's segments, combined per slot afterwards: no float atomics and no
-    ``scatter_reduce``, so results are the same run to run. Temporaries peak at about 16 bytes per
-    element of a chunk (``CHUNK_ELEMENTS``; the test measures it)."""
+    """A fixed number of launches per chunk whatever its number of tensors, and no atomics
+    into a few addresses (which serialise on a GPU): the codes' counts come from sorting the
+    chunk's keys (``slot * SLOT_STRIDE + code``) and finding where each key's run begins
+    (``searchsorted``), the zeros and subnormals per segment from integer prefix sums; maxima,
+    minima and sums of squares through grouped reductions over the chunk's segments, combined
+    per slot afterwards. No float atomics and no ``scatter_reduce``: results are the same run to
+    run, also under ``torch.use_deterministic_algorithms``. Temporaries peak at about 28 bytes
+    per element of a chunk (the float32 work buffer, the keys, the sort's values and int64
+    indices; ``CHUNK_ELEMENTS``; the test measures it)."""
     device, counts = job.device, job.zero_counts()
     # int32 keys (half the memory) unless slot * SLOT_STRIDE could pass 2**31 (over 4 million tensors)
     index_dtype = torch.int32 if job.n_slots * SLOT_STRIDE < 2**31 else torch.int64
@@ -339,24 +388,28 @@ def _accelerator_algorithm(job: _Job, chunks: Chunks, layouts: SlotLayouts) -> _
             flat = torch.cat(views)
             work = flat.abs_() if flat.dtype == torch.float32 else flat.float().abs_()
             del flat
-        zero, below = work == 0, work < job.threshold
+        layout = layouts.get(device, tuple(segments), index_dtype)
+        # Zeros and nonzero subnormals per segment: differences of prefix sums at its ends.
+        # (1-D scans: CUDA scans a [2, n] tensor along its rows with one block per row, 30x slower.)
+        zeros = _segment_sums(work == 0, layout)
+        below = _segment_sums(work < job.threshold, layout)  # zeros too
+        counts.index_add_(0, layout.slot_bases + _ZERO, zeros)  # one entry per segment: distinct
+        counts.index_add_(0, layout.slot_bases + _BELOW, below - zeros)
+        del zeros, below
         if job.inv_scale is not None:
             work.mul_(job.inv_scale)  # torch's unscale_ product
-        # Each element's slot * SLOT_STRIDE: a step function over the chunk, from its segments.
-        if len(segments) == 1:
-            base: torch.Tensor | int = segments[0][0] * SLOT_STRIDE
-        else:
-            starts, steps = layouts.get(device, tuple(segments), index_dtype)
-            base = torch.zeros(work.numel(), dtype=index_dtype, device=device).scatter_(0, starts, steps).cumsum_(0)
+        # The codes' counts: each key's run in the sorted keys, over the keys of this chunk's slots.
+        first_key = segments[0][0] * SLOT_STRIDE
         key = (work.view(torch.int32) & _ABS_MASK).bitwise_right_shift_(22).to(index_dtype)  # abs() may keep -NaN's sign
-        ones = torch.ones((), dtype=torch.int64, device=device).expand(work.numel())
-        counts.index_add_(0, key.add_(base), ones)
-        if isinstance(base, int):
-            key.fill_(base + _ABOVE)
-        else:
-            torch.add(base, _ABOVE, out=key)
-        counts.index_add_(0, key.add_(below).add_(zero), ones)
-        del key, base, zero, below
+        if len(segments) > 1:
+            key += torch.zeros(work.numel(), dtype=index_dtype, device=device).scatter_(
+                0, layout.starts, layout.steps).cumsum_(0)  # slot offset from the chunk's first slot
+        ordered = torch.sort(key).values
+        del key
+        bounds = torch.searchsorted(ordered, layout.edges)
+        del ordered
+        counts.narrow(0, first_key, len(layout.edges) - 1).add_(bounds.diff())  # (narrow: fake CUDA refuses slices)
+        del bounds
         torch.nan_to_num_(work, nan=0.0, posinf=0.0)
         lengths = [n for _, _, n in segments]
         parts = torch.split(work, lengths)
@@ -371,6 +424,15 @@ def _accelerator_algorithm(job: _Job, chunks: Chunks, layouts: SlotLayouts) -> _
         results.extend(_SegmentResult(slot, top, low, norm)
                        for (slot, _, _), top, low, norm in zip(segments, maxima, minima, norms))
     return _per_slot(job, counts, results)
+
+
+def _segment_sums(flags: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+    """int64 [segments]: the true elements of bool ``flags`` in each segment of the chunk, as
+    differences of an int32 prefix sum (exact: a chunk holds fewer than 2**31 elements)."""
+    flags = flags.to(torch.int32)
+    sums = flags.cumsum(0)  # inclusive: a segment's is its last sum less its first plus its first flag
+    return (sums.index_select(0, layout.lasts) - sums.index_select(0, layout.starts)
+            + flags.index_select(0, layout.starts)).long()
 
 
 def _per_slot(job: _Job, counts: torch.Tensor, results: list[_SegmentResult]) -> _Totals:

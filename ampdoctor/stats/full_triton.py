@@ -1,0 +1,395 @@
+"""The *triton* algorithm of the full statistics (:func:`ampdoctor.stats.full_stats` on CUDA when
+Triton is there): three kernel launches and a memset for any number of tensors, each element read
+once, no atomics, temporaries that do not grow with the data.
+
+Why a kernel: the statistics are a histogram (counts per binade and slot). Torch has no sync-free,
+deterministic histogram op that does not send every element of a tensor to the same few
+addresses: ``index_add_`` on integers serialises its atomics there (on an H200 a GPT-2-small
+sampled step spent 173 ms of 228 in it), ``bincount`` reads its maximum to the host (a sync), and
+``histc`` refuses deterministic mode. Here each program reduces a *tile* of one tensor into a
+private histogram in registers (``tl.histogram``), and the tiles' partial results are combined per
+slot by a second kernel in a fixed order: the results are the same run to run, and exact.
+
+How. The host lists the tiles of the call (about ``MAX_TILES`` at most, each within one tensor):
+the address of its first element, its length, where it starts in its tensor and that tensor's
+line geometry. Kernel 1 (:func:`_tile_kernel`) reads each tile once through that address (no
+``torch.cat`` copy) and writes the tile's partial results: the histogram of the unscaled
+magnitudes over the run's histogram bins (binades below the first bin and zeros in bin 0, those
+above the last in the last), the zeros, the nonzero elements below the subnormal threshold, the
+non-finite elements and the quiet NaNs among them, the largest finite magnitude, the smallest
+nonzero one (as bits) and the sum of squares in float64; and it marks every row and column of its
+tensor's 2-D view that holds a nonzero element (a plain store of 1: a benign race, no atomics).
+Kernel 2 (:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order and
+fills the slot's row of ``FullStats.counts``: each histogram bin's count under the code of a
+binade in that bin (the first), which :meth:`~.full.FullStats.decode` maps back to the same bin,
+and the inf and NaN codes. Kernel 3 (:func:`_line_kernel`), one program per tensor, counts the
+elements in unmarked lines. The element judgements are those of the other two algorithms
+(:mod:`.full`), on the same float32 products.
+
+Limits. Tensors of one dtype and device (as :func:`full_stats` requires); a non-contiguous tensor
+is copied first (a module output seen through a transposed view, say). The first call per dtype in
+a process compiles the kernels (about a second each; Triton caches them on disk for later runs).
+Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors: that is how CI tests them, and
+``.ci`` compiles them for sm_90 without a GPU. Nothing here syncs: the tile list goes to the
+device as a non-blocking copy from pinned memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048         # elements per iteration of a program (held in registers); 1024 and 4096 were slower on an H100
+MIN_TILE = 1 << 14   # elements per tile (one program), unless a call is large
+MAX_TILES = 1 << 13  # tiles a call aims for at most (plus one partial tile per tensor): the
+                     # partial results are ~300 bytes per tile, so ~2.5 MiB at most, whatever the model
+_SLOT_ROWS = 16      # tiles added per iteration of kernel 2
+_LINE_BLOCK = 1024   # marks summed per iteration of kernel 3
+_TABLE = 6           # int64 per tile: address, length, start in its tensor, line length, row and column mark offsets
+
+# Constants the kernels read must be constexpr (Triton refuses plain globals when it compiles).
+_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+_INF_BITS = tl.constexpr(0x7F800000)
+_QNAN_BITS = tl.constexpr(0x7FC00000)  # the other algorithms' codes tell NaN from inf by this bit
+_EXTRA = tl.constexpr(8)               # per tile: zeros, below, non-finite, NaN, 4 unused
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are defined, as Triton does
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16,  # (see _block)
+              torch.float64: tl.float64}
+
+
+@triton.jit
+def _block(data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
+           hist, zeros, below, nonfinite, nans, top, low, squares,
+           HAS_SCALE: tl.constexpr, FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr,
+           LINES: tl.constexpr, BF16: tl.constexpr):
+    """One block of a tile added to the tile's accumulators (per lane, but ``hist``)."""
+    inside = start + offsets < length
+    if BF16:  # bfloat16 is the top half of a float32: widened by a shift (Triton's interpreter
+        # flushed its subnormals when converting)
+        raw = tl.load(data + start + offsets, mask=inside, other=0).to(tl.int32)
+        scaled = tl.abs((raw << 16).to(tl.float32, bitcast=True))
+    else:
+        scaled = tl.abs(tl.load(data + start + offsets, mask=inside, other=0.0).to(tl.float32))
+    is_zero = scaled == 0.0
+    zeros += (is_zero & inside).to(tl.int32)
+    below += ((scaled < threshold) & inside & (scaled != 0.0)).to(tl.int32)
+    if HAS_SCALE:
+        unscaled = scaled * inv  # torch's unscale_ product, in float32
+    else:
+        unscaled = scaled
+    bits = unscaled.to(tl.int32, bitcast=True) & _ABS_MASK  # abs() may keep the sign of -NaN
+    nonfinite += (bits >= _INF_BITS).to(tl.int32)
+    nans += (bits >= _QNAN_BITS).to(tl.int32)
+    exponent = bits >> 23
+    # The run's bin of each binade (exponent field 0, zeros and float32 subnormals, in bin 0);
+    # non-finite ones land in the last bin and are taken off at the end, as are the lanes past
+    # the tile's end (zeros, bin 0).
+    binned = tl.minimum(tl.maximum(exponent - FIRST_E, 0), LAST_BIN)
+    binned = tl.where(exponent == 0, 0, binned)
+    hist += tl.histogram(binned, NBINS)
+    finite = tl.where(bits < _INF_BITS, bits, 0).to(tl.float32, bitcast=True)
+    top = tl.maximum(top, finite)
+    # (bits - 1) & mask: zero wraps to the top, non-finite stays above every finite nonzero.
+    low = tl.minimum(low, (bits - 1) & _ABS_MASK)
+    wide = finite.to(tl.float64)
+    squares += wide * wide
+    if LINES:
+        # A line holding a nonzero element is marked; every store writes 1, so their order
+        # does not matter (NaN is nonzero, as in zero_line_elements).
+        index = first_element + start + offsets
+        row = index // line
+        marked = inside & (scaled != 0.0)
+        tl.store(row_marks + row, 1, mask=marked)
+        tl.store(col_marks + (index - row * line), 1, mask=marked)
+    return hist, zeros, below, nonfinite, nans, top, low, squares
+
+
+@triton.jit
+def _tile_kernel(tiles, inv_scale, hist_out, extra_out, amax_out, amin_out, sumsq_out, marks, threshold,
+                 DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, FIRST_E: tl.constexpr,
+                 LAST_BIN: tl.constexpr, NBINS: tl.constexpr, WIDE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                 BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    entry = tiles + pid * 6
+    data = tl.load(entry).to(tl.pointer_type(DTYPE))
+    length = tl.load(entry + 1)
+    first_element = tl.load(entry + 2)
+    line = tl.load(entry + 3)       # 0: a tensor without lines (fewer than 2 dimensions)
+    row_marks = marks + tl.load(entry + 4)
+    col_marks = marks + tl.load(entry + 5)
+    if not WIDE:  # 32-bit index arithmetic (a division per element) unless a tensor passes 2**31 elements
+        length = length.to(tl.int32)
+        first_element = first_element.to(tl.int32)
+        line = line.to(tl.int32)
+    offsets = tl.arange(0, BLOCK)
+    if HAS_SCALE:
+        inv = tl.load(inv_scale)
+    else:
+        inv = 1.0
+    hist = tl.zeros([NBINS], dtype=tl.int32)
+    zeros = tl.zeros([BLOCK], dtype=tl.int32)
+    below = tl.zeros([BLOCK], dtype=tl.int32)
+    nonfinite = tl.zeros([BLOCK], dtype=tl.int32)
+    nans = tl.zeros([BLOCK], dtype=tl.int32)
+    top = tl.zeros([BLOCK], dtype=tl.float32)
+    low = tl.full([BLOCK], _ABS_MASK, dtype=tl.int32)
+    squares = tl.zeros([BLOCK], dtype=tl.float64)
+    if line > 0:
+        if FOR_LOOP:  # compiled: a for loop over a loaded bound is software-pipelined
+            for start in range(0, length, BLOCK):
+                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
+                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
+                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, True, BF16)
+        else:  # Triton's interpreter cannot take a loaded loop bound in range() under numpy 2
+            start = length * 0
+            while start < length:
+                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
+                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
+                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, True, BF16)
+                start += BLOCK
+    else:
+        if FOR_LOOP:
+            for start in range(0, length, BLOCK):
+                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
+                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
+                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, False, BF16)
+        else:
+            start = length * 0
+            while start < length:
+                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
+                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
+                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, False, BF16)
+                start += BLOCK
+    n_nonfinite = tl.sum(nonfinite, axis=0)
+    padding = (tl.cdiv(length, BLOCK) * BLOCK - length).to(tl.int32)
+    bins = tl.arange(0, NBINS)
+    hist -= tl.where(bins == 0, padding, 0) + tl.where(bins == LAST_BIN, n_nonfinite, 0)
+    tl.store(hist_out + pid * NBINS + bins, hist)
+    extra = tl.arange(0, _EXTRA)
+    values = tl.where(extra == 0, tl.sum(zeros, axis=0), 0)
+    values += tl.where(extra == 1, tl.sum(below, axis=0), 0)
+    values += tl.where(extra == 2, n_nonfinite, 0)
+    values += tl.where(extra == 3, tl.sum(nans, axis=0), 0)
+    tl.store(extra_out + pid * _EXTRA + extra, values)
+    tl.store(amax_out + pid, tl.max(top, axis=0))
+    tl.store(amin_out + pid, tl.min(low, axis=0))
+    tl.store(sumsq_out + pid, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _slot_rows(start, end, rows, bins, extra_index, hist_in, extra_in, amax_in, amin_in, sumsq_in,
+               hist, extra, top, low, squares, NBINS: tl.constexpr):
+    """Tiles ``start .. start + ROWS`` (those before ``end``) added to a slot's accumulators."""
+    tile = start + rows
+    inside = tile < end
+    block = tl.load(hist_in + tile[:, None] * NBINS + bins[None, :], mask=inside[:, None], other=0)
+    hist += tl.sum(block.to(tl.int64), axis=0)
+    more = tl.load(extra_in + tile[:, None] * _EXTRA + extra_index[None, :], mask=inside[:, None], other=0)
+    extra += tl.sum(more.to(tl.int64), axis=0)
+    top = tl.maximum(top, tl.load(amax_in + tile, mask=inside, other=0.0))
+    low = tl.minimum(low, tl.load(amin_in + tile, mask=inside, other=_ABS_MASK))
+    squares += tl.load(sumsq_in + tile, mask=inside, other=0.0)
+    return hist, extra, top, low, squares
+
+
+@triton.jit
+def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, counts, amax, amin, sumsq,
+                 STRIDE: tl.constexpr, ABOVE_AT: tl.constexpr, ROWS: tl.constexpr, FIRST_E: tl.constexpr,
+                 BINS: tl.constexpr, NBINS: tl.constexpr, FOR_LOOP: tl.constexpr):
+    slot = tl.program_id(0)
+    begin = tl.load(first + slot)
+    end = tl.load(first + slot + 1)
+    bins = tl.arange(0, NBINS)
+    rows = tl.arange(0, ROWS)
+    extra_index = tl.arange(0, _EXTRA)
+    hist = tl.zeros([NBINS], dtype=tl.int64)
+    extra = tl.zeros([_EXTRA], dtype=tl.int64)
+    top = tl.zeros([ROWS], dtype=tl.float32)
+    low = tl.full([ROWS], _ABS_MASK, dtype=tl.int32)
+    squares = tl.zeros([ROWS], dtype=tl.float64)
+    if FOR_LOOP:
+        for start in range(begin, end, ROWS):
+            hist, extra, top, low, squares = _slot_rows(start, end, rows, bins, extra_index, hist_in, extra_in,
+                                                        amax_in, amin_in, sumsq_in, hist, extra, top, low, squares,
+                                                        NBINS)
+    else:
+        start = begin
+        while start < end:
+            hist, extra, top, low, squares = _slot_rows(start, end, rows, bins, extra_index, hist_in, extra_in,
+                                                        amax_in, amin_in, sumsq_in, hist, extra, top, low, squares,
+                                                        NBINS)
+            start += ROWS
+    n_zero = tl.sum(tl.where(extra_index == 0, extra, 0), axis=0)
+    n_below = tl.sum(tl.where(extra_index == 1, extra, 0), axis=0)
+    n_nonfinite = tl.sum(tl.where(extra_index == 2, extra, 0), axis=0)
+    n_nan = tl.sum(tl.where(extra_index == 3, extra, 0), axis=0)
+    base = counts + slot * STRIDE  # zeroed by the caller: only these entries are written
+    # Codes are bits >> 22 (exponent field, then the top mantissa bit); decode() reads the sum
+    # per exponent field and maps it onto its bin, so bin b's count goes under the code of one
+    # binade in it: bin 0 under exponent 0 (decode takes the zeros off there), bin b under
+    # exponent FIRST_E + b. A bin whose exponent lies outside 1..254 holds no finite element.
+    exponent = tl.where(bins == 0, 0, FIRST_E + bins)
+    usable = (bins < BINS) & ((bins == 0) | ((exponent >= 1) & (exponent <= 254)))
+    tl.store(base + 2 * exponent, hist, mask=usable)
+    tl.store(base + 510, n_nonfinite - n_nan)  # inf
+    tl.store(base + 511, n_nan)
+    tl.store(base + ABOVE_AT + 1, n_below)
+    tl.store(base + ABOVE_AT + 2, n_zero)
+    tl.store(amax + slot, tl.max(top, axis=0))
+    tl.store(amin + slot, tl.min(low, axis=0))
+    tl.store(sumsq + slot, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _line_kernel(lines, marks, out, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """Per tensor: the elements in the unmarked rows and columns of its 2-D view (0 without lines)."""
+    tensor = tl.program_id(0)
+    n_rows = tl.load(lines + tensor * 4)
+    n_cols = tl.load(lines + tensor * 4 + 1)
+    row_marks = marks + tl.load(lines + tensor * 4 + 2)
+    col_marks = marks + tl.load(lines + tensor * 4 + 3)
+    offsets = tl.arange(0, BLOCK)
+    rows = tl.zeros([BLOCK], dtype=tl.int64)
+    cols = tl.zeros([BLOCK], dtype=tl.int64)
+    if FOR_LOOP:
+        for start in range(0, n_rows, BLOCK):
+            rows += tl.load(row_marks + start + offsets, mask=start + offsets < n_rows, other=0).to(tl.int64)
+        for start in range(0, n_cols, BLOCK):
+            cols += tl.load(col_marks + start + offsets, mask=start + offsets < n_cols, other=0).to(tl.int64)
+    else:
+        start = n_rows * 0
+        while start < n_rows:
+            rows += tl.load(row_marks + start + offsets, mask=start + offsets < n_rows, other=0).to(tl.int64)
+            start += BLOCK
+        start = n_cols * 0
+        while start < n_cols:
+            cols += tl.load(col_marks + start + offsets, mask=start + offsets < n_cols, other=0).to(tl.int64)
+            start += BLOCK
+    zero_rows = n_rows - tl.sum(rows, axis=0)
+    zero_cols = n_cols - tl.sum(cols, axis=0)
+    tl.store(out + tensor, zero_rows * n_cols + zero_cols * n_rows - zero_rows * zero_cols)
+
+
+def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_scale: torch.Tensor | None,
+                      threshold: float, hist_min_exp: int, hist_bins: int, lines: str, slot_stride: int,
+                      above_at: int):
+    """``(counts, amax, amin_code, sumsq, line_zeros)`` of ``tensors`` as :class:`~.full.FullStats`
+    holds them (``slot_stride`` entries per slot: the codes, then above/below/zero from
+    ``above_at``; the histogram of ``hist_bins`` bins from binade ``hist_min_exp`` filed as
+    described in this module's docstring). A memset, three launches and one non-blocking copy of
+    the tile list. Does not sync."""
+    device, dtype = tensors[0].device, tensors[0].dtype
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    shapes = tuple(tuple(t.shape) for t in flat)
+    plan = _plan(shapes, per_tensor, lines, flat[0].element_size())
+    n_tiles, n_slots, n_tensors = plan.n_tiles, plan.n_slots, len(flat)
+    addresses = np.array([t.data_ptr() for t in flat], dtype=np.int64)
+
+    host = torch.empty(plan.shipped.size, dtype=torch.int64,
+                       pin_memory=device.type == "cuda")  # pageable memory would make the copy synchronous
+    table = host.numpy()
+    table[:] = plan.shipped
+    table[0:_TABLE * n_tiles:_TABLE] += addresses[plan.owner]
+    shipped = host.to(device, non_blocking=True)
+    tiles = shipped[:_TABLE * n_tiles]
+    first_tile = shipped[_TABLE * n_tiles:_TABLE * n_tiles + n_slots + 1]
+    line_table = shipped[_TABLE * n_tiles + n_slots + 1:]
+
+    # One zeroed buffer (one memset): the counts, then a byte per row and column of the 2-D views.
+    zeroed = torch.zeros(n_slots * slot_stride * 8 + plan.n_marks, dtype=torch.uint8, device=device)
+    counts = zeroed[:n_slots * slot_stride * 8].view(torch.int64)
+    marks = zeroed[n_slots * slot_stride * 8:]
+    amax = torch.empty(n_slots, dtype=torch.float32, device=device)
+    amin = torch.empty(n_slots, dtype=torch.int32, device=device)
+    sumsq = torch.empty(n_slots, dtype=torch.float64, device=device)
+    line_zeros = torch.empty(n_tensors, dtype=torch.int64, device=device)
+    nbins = max(2, triton.next_power_of_2(hist_bins))
+    rows = max(n_tiles, 1)
+    partial_hist = torch.empty((rows, nbins), dtype=torch.int32, device=device)
+    partial_extra = torch.empty((rows, 8), dtype=torch.int32, device=device)
+    partial_amax = torch.empty(rows, dtype=torch.float32, device=device)
+    partial_amin = torch.empty(rows, dtype=torch.int32, device=device)
+    partial_sumsq = torch.empty(rows, dtype=torch.float64, device=device)
+    scale = inv_scale if inv_scale is not None else amax  # any pointer: not read
+    first_e = 127 + hist_min_exp
+    with _on(device):
+        if n_tiles:
+            _tile_kernel[(n_tiles,)](tiles, scale, partial_hist, partial_extra, partial_amax, partial_amin,
+                                     partial_sumsq, marks if plan.n_marks else zeroed, float(threshold),
+                                     DTYPE=_TL_DTYPES[dtype], HAS_SCALE=inv_scale is not None, BLOCK=BLOCK,
+                                     FIRST_E=first_e, LAST_BIN=hist_bins - 1, NBINS=nbins, WIDE=plan.wide,
+                                     FOR_LOOP=not _INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=8)
+        _slot_kernel[(n_slots,)](first_tile, partial_hist, partial_extra, partial_amax, partial_amin,
+                                 partial_sumsq, counts, amax, amin, sumsq, STRIDE=slot_stride, ABOVE_AT=above_at,
+                                 ROWS=_SLOT_ROWS, FIRST_E=first_e, BINS=hist_bins, NBINS=nbins,
+                                 FOR_LOOP=not _INTERPRETED, num_warps=4)
+        _line_kernel[(n_tensors,)](line_table, marks if plan.n_marks else zeroed, line_zeros, BLOCK=_LINE_BLOCK,
+                                   FOR_LOOP=not _INTERPRETED, num_warps=4)
+    del flat  # the copies of non-contiguous tensors are freed stream-ordered: the kernels have them
+    return counts, amax, amin, sumsq, line_zeros if per_tensor else line_zeros.sum(dim=0, keepdim=True)
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether the kernels read tensors of ``dtype``."""
+    return dtype in _TL_DTYPES
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else _Nothing()
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Plan:
+    """What does not change between calls on tensors of the same shapes and dtype: the tiles and
+    the table sent to the device (``shipped``), but for the tensors' addresses, which each call
+    adds to its tiles' byte offsets. A model's shapes rarely change, so each plan is built once."""
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str, element_size: int) -> None:
+        numels = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
+        total = int(numels.sum())
+        tile = max(MIN_TILE, -(-total // MAX_TILES))
+        tile = -(-tile // BLOCK) * BLOCK
+        per = -(-numels // tile)
+        self.owner = np.repeat(np.arange(len(shapes), dtype=np.int64), per)
+        self.n_tiles = len(self.owner)
+        starts = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
+        offsets = (np.arange(self.n_tiles, dtype=np.int64) - np.repeat(starts, per)) * tile
+        # Each tensor's 2-D view as zero_line_elements takes it, and where its marks start.
+        geometry = np.zeros((len(shapes), 4), dtype=np.int64)  # rows, columns, row marks, column marks
+        at = 0
+        for i, s in enumerate(shapes):
+            if len(s) >= 2 and numels[i]:
+                n_rows = s[0] if lines == "rows" else numels[i] // s[-1]
+                geometry[i] = (n_rows, numels[i] // n_rows, at, at + n_rows)
+                at += int(geometry[i, 0] + geometry[i, 1])
+        self.n_marks = at
+        self.wide = bool(len(numels) and numels.max() >= 2**31 - 2 * BLOCK)
+        table = np.zeros((self.n_tiles, _TABLE), dtype=np.int64)
+        table[:, 0] = offsets * element_size
+        table[:, 1] = np.minimum(tile, numels[self.owner] - offsets)
+        table[:, 2] = offsets
+        table[:, 3:] = geometry[self.owner][:, 1:]
+        first = np.concatenate([[0], np.cumsum(per)]) if per_tensor else np.array([0, self.n_tiles])
+        self.n_slots = len(first) - 1
+        self.shipped = np.concatenate([table.reshape(-1), first.astype(np.int64), geometry.reshape(-1)])
+        self.shipped.setflags(write=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str, element_size: int) -> _Plan:
+    return _Plan(shapes, per_tensor, lines, element_size)

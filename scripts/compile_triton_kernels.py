@@ -1,0 +1,76 @@
+"""Compile the triton algorithm's kernels (ampdoctor/stats/full_triton.py) for an NVIDIA target
+without a GPU, with the ptxas that Triton ships: catches what Triton's interpreter lets pass (a
+plain global read in a kernel, an op the compiler refuses). Prints one line per kernel; exits 1
+on the first that fails. Run it without TRITON_INTERPRET (the tests do, in a subprocess).
+
+    python scripts/compile_triton_kernels.py [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("compile_triton_kernels: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from ampdoctor.stats import full_triton as ft  # noqa: E402
+
+TILE = {"tiles": "*i64", "inv_scale": "*fp32", "hist_out": "*i32", "extra_out": "*i32", "amax_out": "*fp32",
+        "amin_out": "*i32", "sumsq_out": "*fp64", "marks": "*u8", "threshold": "fp32"}
+SLOT = {"first": "*i64", "hist_in": "*i32", "extra_in": "*i32", "amax_in": "*fp32", "amin_in": "*i32",
+        "sumsq_in": "*fp64", "counts": "*i64", "amax": "*fp32", "amin": "*i32", "sumsq": "*fp64"}
+LINE = {"lines": "*i64", "marks": "*u8", "out": "*i64"}
+
+
+def variants():
+    """(name, kernel, signature, constexprs, warps): each dtype's tile kernel, with and without a
+    scale and 64-bit indices, and the two reductions, as triton_full_stats launches them."""
+    for torch_name, element in (("float32", "float32"), ("float16", "float16"), ("bfloat16", "int16"),
+                                ("float64", "float64")):
+        for has_scale in (True, False):
+            for wide in (False, True):
+                yield (f"tile {torch_name} scale={has_scale} wide={wide}", ft._tile_kernel, TILE,
+                       {"DTYPE": getattr(tl, element), "HAS_SCALE": has_scale, "BLOCK": ft.BLOCK, "FIRST_E": 71,
+                        "LAST_BIN": 63, "NBINS": 64, "WIDE": wide, "FOR_LOOP": True,
+                        "BF16": torch_name == "bfloat16"}, 8)
+    yield ("slot", ft._slot_kernel, SLOT, {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71,
+                                           "BINS": 64, "NBINS": 64, "FOR_LOOP": True}, 4)
+    yield ("line", ft._line_kernel, LINE, {"BLOCK": ft._LINE_BLOCK, "FOR_LOOP": True}, 4)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100, H200)")
+    parser.add_argument("--quick", action="store_true", help="float32 and bfloat16 tile kernels with a scale only")
+    args = parser.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    for name, fn, signature, constexprs, warps in variants():
+        if args.quick and name.startswith("tile") and ("wide=True" in name or "scale=False" in name
+                                                       or "float16" == name.split()[1] or "float64" in name):
+            continue
+        sig = {**signature, **{k: "constexpr" for k in constexprs}}
+        try:
+            try:
+                source = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+            except TypeError:  # Triton before 3.3 (torch 2.6's 3.2) names them constants
+                source = ASTSource(fn=fn, signature=sig, constants=constexprs)
+            kernel = triton.compile(source, target=target, options={"num_warps": warps})
+        except Exception as exc:  # noqa: BLE001
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+            return 1
+        ptx = kernel.asm["ptx"]
+        # tl.histogram adds each warp's bins in shared memory; nothing may add into global memory
+        global_atomics = "atom.global" in ptx or "red.global" in ptx
+        print(f"ok   {name}: {len(ptx.splitlines())} PTX lines, {'GLOBAL ATOMICS' if global_atomics else 'no global atomics'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

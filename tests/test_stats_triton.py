@@ -1,0 +1,153 @@
+"""The triton algorithm of the full statistics (issue 26) beyond the shared reference tests of
+test_stats.py: zero lines and histogram geometries, the fallback where Triton fails, the host-side
+op count, and the kernels compiled for a Hopper GPU without one. Without a GPU the kernels run
+under Triton's interpreter (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ampdoctor.formats import BFLOAT16, FLOAT16
+from ampdoctor.stats import HostStats, algorithm_for, full_stats
+from ampdoctor.stats import algorithms as algorithms_module, full as full_module
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or (os.environ.get("TRITON_INTERPRET") != "1"
+                                                   and not torch.cuda.is_available()),
+    reason="needs Triton (its interpreter without a GPU)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from host_cost import OpCounter  # noqa: E402
+
+
+def _assert_same(got: HostStats, expected: HostStats, context: str = "") -> None:
+    for field in HostStats.__dataclass_fields__:
+        a, b = getattr(got, field), getattr(expected, field)
+        if field == "l2":  # float64 sums of squares in another order
+            np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=f"{field} {context}")
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=f"{field} {context}")
+
+
+def _shaped_tensors(gen):
+    a = torch.randn(6, 5, 4, generator=gen)
+    a[1] = 0            # a zero row
+    a[:, :, 2] = 0      # a zero feature
+    a[3, 2, 1] = math.nan
+    b = torch.randn(7, 9, generator=gen) * 1e-6
+    b[:, 3] = 0         # a zero column
+    return [a, b, torch.zeros(3, 3), torch.randn(11, generator=gen), torch.zeros(0, 4),
+            torch.randn(4, 6, generator=gen).t()]  # non-contiguous: copied first
+
+
+@pytest.mark.parametrize("lines", ["rows", "features"])
+@pytest.mark.parametrize("geometry", [(-56, 64), (-20, 10), (-140, 300), (100, 8)],
+                         ids=["default", "narrow", "beyond-float32", "above-everything"])
+@pytest.mark.parametrize("per_tensor", [True, False])
+def test_zero_lines_and_histogram_geometries_equal_the_host_algorithm(lines, geometry, per_tensor):
+    """Zero rows, columns and features, NaN as nonzero, empty and 1-D tensors; histograms whose
+    bins start below, inside and above float32's binades (bins outside them stay empty)."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = _shaped_tensors(gen)
+    min_exp, bins = geometry
+    kw = dict(inv_scale=torch.tensor(2.0**-7), subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor,
+              lines=lines, hist_min_exp=min_exp, hist_bins=bins)
+    expected = full_stats(tensors, algorithm="host", **kw).decode()
+    got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
+                     **{**kw, "inv_scale": kw["inv_scale"].to(DEVICE)})
+    _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{lines} {geometry} {per_tensor}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_every_dtype_and_no_scale(dtype):
+    gen = torch.Generator().manual_seed(2)
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, 6e-5, 3e-8, 65504.0, -2.0])
+    tensors = [t.to(dtype) for t in (torch.randn(3000, generator=gen) * 1e-4, special, torch.randn(5, 7, generator=gen))]
+    fmt = BFLOAT16 if dtype == torch.bfloat16 else FLOAT16
+    for inv in (None, torch.tensor(2.0**-12)):
+        kw = dict(inv_scale=inv, subnormal_below=fmt.smallest_normal)
+        expected = full_stats(tensors, algorithm="host", **kw).decode()
+        got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
+                         **{**kw, "inv_scale": None if inv is None else inv.to(DEVICE)})
+        _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{dtype} {inv}")
+
+
+def test_host_side_ops_do_not_grow_with_the_tensors():
+    """The kernels are not torch ops: what the host dispatches per call (allocations, the table's
+    copy, the memset) is the same for 10 or 200 tensors."""
+    from ampdoctor.stats import full_triton
+
+    class Stub:  # a kernel that is not run: the interpreter copies its arguments with torch ops
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    gen = torch.Generator().manual_seed(0)
+    totals = []
+    for n in (10, 200):
+        tensors = [(torch.randn(3, 5, generator=gen) * 1e-3).to(DEVICE) for _ in range(n)]
+        inv = torch.tensor(2.0**-10, device=DEVICE)
+        with OpCounter() as counter, pytest.MonkeyPatch.context() as patch:
+            if DEVICE == "cpu":
+                for name in ("_tile_kernel", "_slot_kernel", "_line_kernel"):
+                    patch.setattr(full_triton, name, Stub())
+            full_stats(tensors, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal, algorithm="triton")
+        totals.append(counter.launches - counter.ops["empty"])  # allocations launch nothing
+    # the scale's clamp, the memset, and on a GPU the table's copy
+    assert totals[0] == totals[1] and totals[0] <= 3, totals
+
+
+def test_a_failing_triton_falls_back_to_the_torch_algorithm_with_one_warning(monkeypatch):
+    """A Triton too old or broken to compile the kernels: the torch algorithm computes the same
+    numbers, one warning says so, and recording goes on."""
+    from ampdoctor.stats import full_triton
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed\nmore lines")
+
+    monkeypatch.setattr(full_triton, "triton_full_stats", broken)
+    monkeypatch.setattr(full_module, "_TRITON_FAILED", [])
+    tensors = [torch.randn(100), torch.randn(4, 5)]
+    kw = dict(inv_scale=torch.tensor(2.0**-10), subnormal_below=FLOAT16.smallest_normal)
+    with pytest.warns(RuntimeWarning, match="Triton statistics kernels failed here .RuntimeError: PTX assembly failed.; "
+                                            "using the slower torch algorithm"):
+        first = full_stats(tensors, algorithm="triton", **kw).decode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = full_stats(tensors, algorithm="triton", **kw).decode()
+    _assert_same(first, full_stats(tensors, algorithm="accelerator", **kw).decode())
+    _assert_same(second, first)
+
+
+def test_cuda_chooses_triton_only_where_it_runs(monkeypatch):
+    monkeypatch.setattr(algorithms_module, "triton_available", lambda: True)
+    assert algorithm_for(torch.device("cuda"), full=True) == "triton"
+    assert algorithm_for(torch.device("cuda")) == "accelerator"  # the light statistics
+    assert algorithm_for(torch.device("cpu"), full=True) == "host"
+    assert algorithm_for(torch.device("meta"), full=True) == "accelerator"
+    monkeypatch.setattr(algorithms_module, "triton_available", lambda: False)
+    assert algorithm_for(torch.device("cuda"), full=True) == "accelerator"
+
+
+def test_kernels_compile_for_hopper():
+    """What the interpreter lets pass (a plain global in a kernel, a type the compiler refuses)
+    fails here: the kernels compiled for sm_90 with the ptxas that Triton ships, no GPU needed,
+    in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_triton_kernels.py"), "--quick"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("ok") and "no global atomics" in line for line in lines), lines
