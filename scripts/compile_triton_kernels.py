@@ -37,7 +37,7 @@ def variants():
         for has_scale in (True, False):
             for wide in (False, True):
                 yield (f"tile {torch_name} scale={has_scale} wide={wide}", ft._tile_kernel, TILE,
-                       {"DTYPE": getattr(tl, element), "HAS_SCALE": has_scale, "BLOCK": ft.BLOCK, "FIRST_E": 71,
+                       {"DTYPE": getattr(tl, element), "HAS_SCALE": has_scale, "RB": ft.RB, "CB": ft.CB, "FIRST_E": 71,
                         "LAST_BIN": 63, "NBINS": 64, "WIDE": wide, "FOR_LOOP": True,
                         "BF16": torch_name == "bfloat16"}, 8)
     yield ("slot", ft._slot_kernel, SLOT, {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71,

@@ -133,9 +133,10 @@ def test_chunking_splits_large_tensors_without_changing_results(monkeypatch, alg
     kw = dict(inv_scale=torch.tensor(1.0 / 1024), subnormal_below=FLOAT16.smallest_normal, algorithm=algorithm)
     expected = full_stats(tensors, **kw).decode()
     # tensors span chunks, chunks mix slots
-    if algorithm == "triton":  # tiles of 8 elements: tensors span several, a slot's are added in steps
+    if algorithm == "triton":  # blocks of 2 x 4 and tiles of about 8 elements: tensors span several, a slot's are added in steps
         from ampdoctor.stats import full_triton
-        monkeypatch.setattr(full_triton, "BLOCK", 4)
+        monkeypatch.setattr(full_triton, "RB", 2)
+        monkeypatch.setattr(full_triton, "CB", 4)
         monkeypatch.setattr(full_triton, "MIN_TILE", 8)
         monkeypatch.setattr(full_triton, "_SLOT_ROWS", 2)
         monkeypatch.setattr(full_triton, "_plan", full_triton._Plan)  # uncached: plans of these tiles stay here

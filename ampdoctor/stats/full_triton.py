@@ -45,13 +45,16 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048         # elements per iteration of a program (held in registers); 1024 and 4096 were slower on an H100
+RB, CB = 8, 128      # a block of a program: rows x columns of a tensor's 2-D view, held in registers.
+BLOCK = RB * CB      # 1024 elements: of 1024, 2048 and 4096 the fastest on an H200
+                     # (benchmarks/results/stats_kernels_h200_2026-11-26.json)
 MIN_TILE = 1 << 14   # elements per tile (one program), unless a call is large
 MAX_TILES = 1 << 13  # tiles a call aims for at most (plus one partial tile per tensor): the
                      # partial results are ~300 bytes per tile, so ~2.5 MiB at most, whatever the model
-_SLOT_ROWS = 16      # tiles added per iteration of kernel 2
+_SLOT_ROWS = 64      # tiles added per iteration of kernel 2 (16 took 0.26 ms for GPT-2's 2,300-tile embedding)
 _LINE_BLOCK = 1024   # marks summed per iteration of kernel 3
-_TABLE = 6           # int64 per tile: address, length, start in its tensor, line length, row and column mark offsets
+_TABLE = 8           # int64 per tile: byte offset (then address) of its first element, rows, columns,
+                     # elements, whether its lines are marked, its row and column marks' offsets, unused
 
 # Constants the kernels read must be constexpr (Triton refuses plain globals when it compiles).
 _ABS_MASK = tl.constexpr(0x7FFFFFFF)
@@ -66,21 +69,26 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 @triton.jit
-def _block(data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
+def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, marks_on, row_marks, col_marks,
            hist, zeros, below, nonfinite, nans, top, low, squares,
            HAS_SCALE: tl.constexpr, FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr,
-           LINES: tl.constexpr, BF16: tl.constexpr):
-    """One block of a tile added to the tile's accumulators (per lane, but ``hist``)."""
-    inside = start + offsets < length
+           RB: tl.constexpr, CB: tl.constexpr, BF16: tl.constexpr):
+    """Block ``b`` of a tile (``RB`` rows x ``CB`` columns of its 2-D view) added to the tile's
+    accumulators (per lane, but ``hist``). Lanes outside the tile read 0: they count as zeros,
+    subnormal and in bin 0, and are taken off once at the end (no mask per statistic)."""
+    rb = b // col_blocks
+    rows = rb * RB + rr
+    cols = (b - rb * col_blocks) * CB + cc
+    linear = rows[:, None] * n_cols + cols[None, :]
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols) & (linear < length)
     if BF16:  # bfloat16 is the top half of a float32: widened by a shift (Triton's interpreter
         # flushed its subnormals when converting)
-        raw = tl.load(data + start + offsets, mask=inside, other=0).to(tl.int32)
+        raw = tl.load(data + linear, mask=inside, other=0).to(tl.int32)
         scaled = tl.abs((raw << 16).to(tl.float32, bitcast=True))
     else:
-        scaled = tl.abs(tl.load(data + start + offsets, mask=inside, other=0.0).to(tl.float32))
-    is_zero = scaled == 0.0
-    zeros += (is_zero & inside).to(tl.int32)
-    below += ((scaled < threshold) & inside & (scaled != 0.0)).to(tl.int32)
+        scaled = tl.abs(tl.load(data + linear, mask=inside, other=0.0).to(tl.float32))
+    zeros += (scaled == 0.0).to(tl.int32)
+    below += (scaled < threshold).to(tl.int32)  # zeros too: taken off at the end
     if HAS_SCALE:
         unscaled = scaled * inv  # torch's unscale_ product, in float32
     else:
@@ -90,98 +98,88 @@ def _block(data, start, length, offsets, inv, threshold, first_element, line, ro
     nans += (bits >= _QNAN_BITS).to(tl.int32)
     exponent = bits >> 23
     # The run's bin of each binade (exponent field 0, zeros and float32 subnormals, in bin 0);
-    # non-finite ones land in the last bin and are taken off at the end, as are the lanes past
-    # the tile's end (zeros, bin 0).
+    # non-finite ones land in the last bin and are taken off at the end.
     binned = tl.minimum(tl.maximum(exponent - FIRST_E, 0), LAST_BIN)
     binned = tl.where(exponent == 0, 0, binned)
-    hist += tl.histogram(binned, NBINS)
+    hist += tl.histogram(tl.reshape(binned, [RB * CB], can_reorder=True), NBINS)
     finite = tl.where(bits < _INF_BITS, bits, 0).to(tl.float32, bitcast=True)
     top = tl.maximum(top, finite)
     # (bits - 1) & mask: zero wraps to the top, non-finite stays above every finite nonzero.
     low = tl.minimum(low, (bits - 1) & _ABS_MASK)
     wide = finite.to(tl.float64)
     squares += wide * wide
-    if LINES:
-        # A line holding a nonzero element is marked; every store writes 1, so their order
-        # does not matter (NaN is nonzero, as in zero_line_elements).
-        index = first_element + start + offsets
-        row = index // line
-        marked = inside & (scaled != 0.0)
-        tl.store(row_marks + row, 1, mask=marked)
-        tl.store(col_marks + (index - row * line), 1, mask=marked)
+    if marks_on:
+        # A line holding a nonzero element (NaN too, as in zero_line_elements) is marked, once
+        # per block; every store writes 1, so their order does not matter.
+        nonzero = (scaled != 0.0).to(tl.int32)
+        tl.store(row_marks + rows, 1, mask=tl.max(nonzero, axis=1) > 0)
+        tl.store(col_marks + cols, 1, mask=tl.max(nonzero, axis=0) > 0)
     return hist, zeros, below, nonfinite, nans, top, low, squares
 
 
 @triton.jit
 def _tile_kernel(tiles, inv_scale, hist_out, extra_out, amax_out, amin_out, sumsq_out, marks, threshold,
-                 DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr, FIRST_E: tl.constexpr,
-                 LAST_BIN: tl.constexpr, NBINS: tl.constexpr, WIDE: tl.constexpr, FOR_LOOP: tl.constexpr,
-                 BF16: tl.constexpr):
+                 DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
+                 FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr, WIDE: tl.constexpr,
+                 FOR_LOOP: tl.constexpr, BF16: tl.constexpr):
     pid = tl.program_id(0)
-    entry = tiles + pid * 6
-    data = tl.load(entry).to(tl.pointer_type(DTYPE))
-    length = tl.load(entry + 1)
-    first_element = tl.load(entry + 2)
-    line = tl.load(entry + 3)       # 0: a tensor without lines (fewer than 2 dimensions)
-    row_marks = marks + tl.load(entry + 4)
-    col_marks = marks + tl.load(entry + 5)
-    if not WIDE:  # 32-bit index arithmetic (a division per element) unless a tensor passes 2**31 elements
+    entry = tiles + pid * 8
+    data = tl.load(entry).to(tl.pointer_type(DTYPE))  # the tile's first element
+    n_rows = tl.load(entry + 1)     # rows of the tile
+    n_cols = tl.load(entry + 2)     # elements per row (a tensor without lines: rows of CB)
+    length = tl.load(entry + 3)     # elements of the tile (the last row may be partial without lines)
+    marks_on = tl.load(entry + 4)   # 1: its tensor's lines are counted
+    row_marks = marks + tl.load(entry + 5)
+    col_marks = marks + tl.load(entry + 6)
+    if not WIDE:  # 32-bit index arithmetic unless a tile passes 2**31 elements
+        n_rows = n_rows.to(tl.int32)
+        n_cols = n_cols.to(tl.int32)
         length = length.to(tl.int32)
-        first_element = first_element.to(tl.int32)
-        line = line.to(tl.int32)
-    offsets = tl.arange(0, BLOCK)
+    rr = tl.arange(0, RB)
+    cc = tl.arange(0, CB)
     if HAS_SCALE:
         inv = tl.load(inv_scale)
     else:
         inv = 1.0
     hist = tl.zeros([NBINS], dtype=tl.int32)
-    zeros = tl.zeros([BLOCK], dtype=tl.int32)
-    below = tl.zeros([BLOCK], dtype=tl.int32)
-    nonfinite = tl.zeros([BLOCK], dtype=tl.int32)
-    nans = tl.zeros([BLOCK], dtype=tl.int32)
-    top = tl.zeros([BLOCK], dtype=tl.float32)
-    low = tl.full([BLOCK], _ABS_MASK, dtype=tl.int32)
-    squares = tl.zeros([BLOCK], dtype=tl.float64)
-    if line > 0:
-        if FOR_LOOP:  # compiled: a for loop over a loaded bound is software-pipelined
-            for start in range(0, length, BLOCK):
-                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
-                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, True, BF16)
-        else:  # Triton's interpreter cannot take a loaded loop bound in range() under numpy 2
-            start = length * 0
-            while start < length:
-                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
-                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, True, BF16)
-                start += BLOCK
-    else:
-        if FOR_LOOP:
-            for start in range(0, length, BLOCK):
-                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
-                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, False, BF16)
-        else:
-            start = length * 0
-            while start < length:
-                hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                    data, start, length, offsets, inv, threshold, first_element, line, row_marks, col_marks,
-                    hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, False, BF16)
-                start += BLOCK
-    n_nonfinite = tl.sum(nonfinite, axis=0)
-    padding = (tl.cdiv(length, BLOCK) * BLOCK - length).to(tl.int32)
+    zeros = tl.zeros([RB, CB], dtype=tl.int32)
+    below = tl.zeros([RB, CB], dtype=tl.int32)
+    nonfinite = tl.zeros([RB, CB], dtype=tl.int32)
+    nans = tl.zeros([RB, CB], dtype=tl.int32)
+    top = tl.zeros([RB, CB], dtype=tl.float32)
+    low = tl.full([RB, CB], _ABS_MASK, dtype=tl.int32)
+    squares = tl.zeros([RB, CB], dtype=tl.float64)
+    col_blocks = tl.cdiv(n_cols, CB)
+    blocks = tl.cdiv(n_rows, RB) * col_blocks
+    if FOR_LOOP:  # compiled: a for loop over a loaded bound is software-pipelined
+        for b in range(0, blocks):
+            hist, zeros, below, nonfinite, nans, top, low, squares = _block(
+                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, marks_on, row_marks, col_marks,
+                hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, RB, CB,
+                BF16)
+    else:  # Triton's interpreter cannot take a loaded loop bound in range() under numpy 2
+        b = blocks * 0
+        while b < blocks:
+            hist, zeros, below, nonfinite, nans, top, low, squares = _block(
+                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, marks_on, row_marks, col_marks,
+                hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, RB, CB,
+                BF16)
+            b += 1
+    padding = (blocks * (RB * CB) - length).to(tl.int32)
+    n_zero = tl.sum(tl.sum(zeros, axis=1), axis=0)
+    n_nonfinite = tl.sum(tl.sum(nonfinite, axis=1), axis=0)
     bins = tl.arange(0, NBINS)
     hist -= tl.where(bins == 0, padding, 0) + tl.where(bins == LAST_BIN, n_nonfinite, 0)
     tl.store(hist_out + pid * NBINS + bins, hist)
     extra = tl.arange(0, _EXTRA)
-    values = tl.where(extra == 0, tl.sum(zeros, axis=0), 0)
-    values += tl.where(extra == 1, tl.sum(below, axis=0), 0)
+    values = tl.where(extra == 0, n_zero - padding, 0)
+    values += tl.where(extra == 1, tl.sum(tl.sum(below, axis=1), axis=0) - n_zero, 0)
     values += tl.where(extra == 2, n_nonfinite, 0)
-    values += tl.where(extra == 3, tl.sum(nans, axis=0), 0)
+    values += tl.where(extra == 3, tl.sum(tl.sum(nans, axis=1), axis=0), 0)
     tl.store(extra_out + pid * _EXTRA + extra, values)
-    tl.store(amax_out + pid, tl.max(top, axis=0))
-    tl.store(amin_out + pid, tl.min(low, axis=0))
-    tl.store(sumsq_out + pid, tl.sum(squares, axis=0))
+    tl.store(amax_out + pid, tl.max(tl.max(top, axis=1), axis=0))
+    tl.store(amin_out + pid, tl.min(tl.min(low, axis=1), axis=0))
+    tl.store(sumsq_out + pid, tl.sum(tl.sum(squares, axis=1), axis=0))
 
 
 @triton.jit
@@ -324,7 +322,7 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
         if n_tiles:
             _tile_kernel[(n_tiles,)](tiles, scale, partial_hist, partial_extra, partial_amax, partial_amin,
                                      partial_sumsq, marks if plan.n_marks else zeroed, float(threshold),
-                                     DTYPE=_TL_DTYPES[dtype], HAS_SCALE=inv_scale is not None, BLOCK=BLOCK,
+                                     DTYPE=_TL_DTYPES[dtype], HAS_SCALE=inv_scale is not None, RB=RB, CB=CB,
                                      FIRST_E=first_e, LAST_BIN=hist_bins - 1, NBINS=nbins, WIDE=plan.wide,
                                      FOR_LOOP=not _INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=8)
         _slot_kernel[(n_slots,)](first_tile, partial_hist, partial_extra, partial_amax, partial_amin,
@@ -357,36 +355,44 @@ class _Nothing:
 class _Plan:
     """What does not change between calls on tensors of the same shapes and dtype: the tiles and
     the table sent to the device (``shipped``), but for the tensors' addresses, which each call
-    adds to its tiles' byte offsets. A model's shapes rarely change, so each plan is built once."""
+    adds to its tiles' byte offsets. A model's shapes rarely change, so each plan is built once.
+
+    A tensor of 2 or more dimensions is tiled by whole rows of its 2-D view (rows of ``n_cols``
+    elements, ``RB`` rows a block at least), so that its line marks need no division; one of
+    fewer is read as rows of ``CB`` elements, the last one partial, with no marks."""
 
     def __init__(self, shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str, element_size: int) -> None:
-        numels = np.array([int(np.prod(s, dtype=np.int64)) for s in shapes], dtype=np.int64)
-        total = int(numels.sum())
-        tile = max(MIN_TILE, -(-total // MAX_TILES))
-        tile = -(-tile // BLOCK) * BLOCK
-        per = -(-numels // tile)
-        self.owner = np.repeat(np.arange(len(shapes), dtype=np.int64), per)
-        self.n_tiles = len(self.owner)
-        starts = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
-        offsets = (np.arange(self.n_tiles, dtype=np.int64) - np.repeat(starts, per)) * tile
-        # Each tensor's 2-D view as zero_line_elements takes it, and where its marks start.
+        numels = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        target = max(MIN_TILE, -(-sum(numels) // MAX_TILES))  # elements per tile, about
         geometry = np.zeros((len(shapes), 4), dtype=np.int64)  # rows, columns, row marks, column marks
+        entries, owner, per = [], [], []
         at = 0
-        for i, s in enumerate(shapes):
-            if len(s) >= 2 and numels[i]:
-                n_rows = s[0] if lines == "rows" else numels[i] // s[-1]
-                geometry[i] = (n_rows, numels[i] // n_rows, at, at + n_rows)
-                at += int(geometry[i, 0] + geometry[i, 1])
+        for i, (shape, n) in enumerate(zip(shapes, numels)):
+            if n and len(shape) >= 2:
+                n_rows = shape[0] if lines == "rows" else n // shape[-1]
+                n_cols = n // n_rows
+                geometry[i] = (n_rows, n_cols, at, at + n_rows)
+                step = max(RB, target // n_cols // RB * RB)  # rows per tile
+                for first in range(0, n_rows, step):
+                    rows = min(step, n_rows - first)
+                    entries.append((first * n_cols * element_size, rows, n_cols, rows * n_cols, 1,
+                                    at + first, at + n_rows, 0))
+                at += n_rows + n_cols
+            elif n:
+                step = -(-target // CB) * CB
+                for first in range(0, n, step):
+                    length = min(step, n - first)
+                    entries.append((first * element_size, -(-length // CB), CB, length, 0, 0, 0, 0))
+            owner.extend([i] * (len(entries) - len(owner)))
+            per.append(len(entries))
+        self.owner = np.array(owner, dtype=np.int64)
+        self.n_tiles = len(entries)
         self.n_marks = at
-        self.wide = bool(len(numels) and numels.max() >= 2**31 - 2 * BLOCK)
-        table = np.zeros((self.n_tiles, _TABLE), dtype=np.int64)
-        table[:, 0] = offsets * element_size
-        table[:, 1] = np.minimum(tile, numels[self.owner] - offsets)
-        table[:, 2] = offsets
-        table[:, 3:] = geometry[self.owner][:, 1:]
-        first = np.concatenate([[0], np.cumsum(per)]) if per_tensor else np.array([0, self.n_tiles])
+        table = np.array(entries, dtype=np.int64).reshape(-1, _TABLE)
+        self.wide = bool(self.n_tiles and table[:, 3].max() >= 2**31 - RB * CB)
+        first = np.array([0] + per, dtype=np.int64) if per_tensor else np.array([0, self.n_tiles], dtype=np.int64)
         self.n_slots = len(first) - 1
-        self.shipped = np.concatenate([table.reshape(-1), first.astype(np.int64), geometry.reshape(-1)])
+        self.shipped = np.concatenate([table.reshape(-1), first, geometry.reshape(-1)])
         self.shipped.setflags(write=False)
 
 
