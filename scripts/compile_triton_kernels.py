@@ -22,27 +22,32 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ampdoctor.stats import full_triton as ft  # noqa: E402
 
-TILE = {"tiles": "*i64", "inv_scale": "*fp32", "hist_out": "*i32", "extra_out": "*i32", "amax_out": "*fp32",
+TILE = {"tiles": "*i64", "addresses": "*i64", "single": "*fp32", "inv_scale": "*fp32", "hist_out": "*i32", "extra_out": "*i32", "amax_out": "*fp32",
         "amin_out": "*i32", "sumsq_out": "*fp64", "marks": "*u8", "threshold": "fp32"}
 SLOT = {"first": "*i64", "hist_in": "*i32", "extra_in": "*i32", "amax_in": "*fp32", "amin_in": "*i32",
-        "sumsq_in": "*fp64", "counts": "*i64", "amax": "*fp32", "amin": "*i32", "sumsq": "*fp64"}
-LINE = {"lines": "*i64", "marks": "*u8", "out": "*i64"}
+        "sumsq_in": "*fp64", "lines": "*i64", "marks": "*u8", "n_tensors": "i32", "counts": "*i64", "amax": "*fp32",
+        "amin": "*i32", "sumsq": "*fp64", "line_zeros": "*i64"}
 
 
 def variants():
     """(name, kernel, signature, constexprs, warps): each dtype's tile kernel, with and without a
-    scale and 64-bit indices, and the two reductions, as triton_full_stats launches them."""
-    for torch_name, element in (("float32", "float32"), ("float16", "float16"), ("bfloat16", "int16"),
-                                ("float64", "float64")):
+    scale, 64-bit indices and an address table, and the slot kernel both ways, as
+    triton_full_stats launches them."""
+    for torch_name, element, size in (("float32", "float32", 4), ("float16", "float16", 2), ("bfloat16", "int16", 2),
+                                      ("float64", "float64", 8)):
         for has_scale in (True, False):
             for wide in (False, True):
-                yield (f"tile {torch_name} scale={has_scale} wide={wide}", ft._tile_kernel, TILE,
-                       {"DTYPE": getattr(tl, element), "HAS_SCALE": has_scale, "RB": ft.RB, "CB": ft.CB, "FIRST_E": 71,
-                        "LAST_BIN": 63, "NBINS": 64, "WIDE": wide, "FOR_LOOP": True,
-                        "BF16": torch_name == "bfloat16"}, 8)
-    yield ("slot", ft._slot_kernel, SLOT, {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71,
-                                           "BINS": 64, "NBINS": 64, "FOR_LOOP": True}, 4)
-    yield ("line", ft._line_kernel, LINE, {"BLOCK": ft._LINE_BLOCK, "FOR_LOOP": True}, 4)
+                for single in (False, True):
+                    pointer = {**TILE, "single": f"*{'i16' if element == 'int16' else 'fp' + str(8 * size)}"}
+                    yield (f"tile {torch_name} scale={has_scale} wide={wide} single={single}", ft._tile_kernel,
+                           pointer, {"DTYPE": getattr(tl, element), "ESIZE": size, "SINGLE": single,
+                                     "HAS_SCALE": has_scale, "RB": ft.RB, "CB": ft.CB, "FIRST_E": 71, "LAST_BIN": 63,
+                                     "NBINS": 64, "WIDE": wide, "FOR_LOOP": True, "BF16": torch_name == "bfloat16"},
+                           8)
+    for per_tensor in (True, False):
+        yield (f"slot per_tensor={per_tensor}", ft._slot_kernel, SLOT,
+               {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71, "BINS": 64, "NBINS": 64,
+                "PER_TENSOR": per_tensor, "LINE_BLOCK": ft._LINE_BLOCK, "FOR_LOOP": True}, 4)
 
 
 def main() -> int:
@@ -53,7 +58,7 @@ def main() -> int:
     target = GPUTarget("cuda", args.arch, 32)
     for name, fn, signature, constexprs, warps in variants():
         if args.quick and name.startswith("tile") and ("wide=True" in name or "scale=False" in name
-                                                       or "float16" == name.split()[1] or "float64" in name):
+                                                       or name.split()[1] in ("float16", "float64")):
             continue
         sig = {**signature, **{k: "constexpr" for k in constexprs}}
         try:

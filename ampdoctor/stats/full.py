@@ -192,13 +192,14 @@ def full_stats(
     if not tensors:
         raise ValueError("full_stats needs at least one tensor")
     algorithm = choose_algorithm(algorithm, tensors, full=True)
-    job = _Job.of(tensors, per_tensor, inv_scale, subnormal_below)
     with torch.no_grad():
-        if algorithm == "triton":
-            fields = _triton(tensors, job, per_tensor, hist_min_exp, hist_bins, lines)
+        if algorithm == "triton":  # (clamps the scale in its kernel: one launch fewer per call)
+            fields = _triton(tensors, inv_scale, _threshold(subnormal_below, tensors[0].dtype), per_tensor,
+                             hist_min_exp, hist_bins, lines)
             if fields is not None:
                 return FullStats(*fields, hist_min_exp, hist_bins)
             algorithm = "accelerator"
+        job = _Job.of(tensors, per_tensor, inv_scale, subnormal_below)
         line_zeros = _line_zeros(tensors, per_tensor, lines)
         if algorithm == "host":
             totals = _host_algorithm(job, _chunks(tensors, per_tensor, CPU_CHUNK_ELEMENTS))
@@ -211,8 +212,8 @@ def full_stats(
 _TRITON_FAILED: list[str] = []  # why the triton algorithm stopped being used in this process, if it did
 
 
-def _triton(tensors: Sequence[torch.Tensor], job: "_Job", per_tensor: bool, hist_min_exp: int, hist_bins: int,
-            lines: str) -> tuple | None:
+def _triton(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None, threshold: float, per_tensor: bool,
+            hist_min_exp: int, hist_bins: int, lines: str) -> tuple | None:
     """The triton algorithm's ``(counts, amax, amin_code, sumsq, line_zeros)``, or None where it
     cannot run here (a Triton too old or broken to compile the kernels): then this process uses
     the accelerator algorithm from here on, after one warning, rather than stop recording.
@@ -222,7 +223,7 @@ def _triton(tensors: Sequence[torch.Tensor], job: "_Job", per_tensor: bool, hist
     try:
         from .full_triton import triton_full_stats  # imports Triton: only where it runs
 
-        return triton_full_stats(tensors, per_tensor=per_tensor, inv_scale=job.inv_scale, threshold=job.threshold,
+        return triton_full_stats(tensors, per_tensor=per_tensor, inv_scale=inv_scale, threshold=threshold,
                                  hist_min_exp=hist_min_exp, hist_bins=hist_bins, lines=lines,
                                  slot_stride=SLOT_STRIDE, above_at=_ABOVE)
     except Exception as exc:  # noqa: BLE001 - the torch algorithm computes the same numbers

@@ -53,8 +53,8 @@ MAX_TILES = 1 << 13  # tiles a call aims for at most (plus one partial tile per 
                      # partial results are ~300 bytes per tile, so ~2.5 MiB at most, whatever the model
 _SLOT_ROWS = 64      # tiles added per iteration of kernel 2 (16 took 0.26 ms for GPT-2's 2,300-tile embedding)
 _LINE_BLOCK = 1024   # marks summed per iteration of kernel 3
-_TABLE = 8           # int64 per tile: byte offset (then address) of its first element, rows, columns,
-                     # elements, whether its lines are marked, its row and column marks' offsets, unused
+_TABLE = 8           # int64 per tile: its tensor, its first element there, rows, columns, elements,
+                     # whether its lines are marked, its row and column marks' offsets
 
 # Constants the kernels read must be constexpr (Triton refuses plain globals when it compiles).
 _ABS_MASK = tl.constexpr(0x7FFFFFFF)
@@ -118,19 +118,24 @@ def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, 
 
 
 @triton.jit
-def _tile_kernel(tiles, inv_scale, hist_out, extra_out, amax_out, amin_out, sumsq_out, marks, threshold,
-                 DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr,
-                 FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr, WIDE: tl.constexpr,
-                 FOR_LOOP: tl.constexpr, BF16: tl.constexpr):
+def _tile_kernel(tiles, addresses, single, inv_scale, hist_out, extra_out, amax_out, amin_out, sumsq_out, marks,
+                 threshold, DTYPE: tl.constexpr, ESIZE: tl.constexpr, SINGLE: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr, FIRST_E: tl.constexpr,
+                 LAST_BIN: tl.constexpr, NBINS: tl.constexpr, WIDE: tl.constexpr, FOR_LOOP: tl.constexpr,
+                 BF16: tl.constexpr):
     pid = tl.program_id(0)
     entry = tiles + pid * 8
-    data = tl.load(entry).to(tl.pointer_type(DTYPE))  # the tile's first element
-    n_rows = tl.load(entry + 1)     # rows of the tile
-    n_cols = tl.load(entry + 2)     # elements per row (a tensor without lines: rows of CB)
-    length = tl.load(entry + 3)     # elements of the tile (the last row may be partial without lines)
-    marks_on = tl.load(entry + 4)   # 1: its tensor's lines are counted
-    row_marks = marks + tl.load(entry + 5)
-    col_marks = marks + tl.load(entry + 6)
+    first_element = tl.load(entry + 1)  # in its tensor
+    if SINGLE:  # one tensor: passed as it is, no address table
+        data = single + first_element
+    else:
+        data = (tl.load(addresses + tl.load(entry)) + first_element * ESIZE).to(tl.pointer_type(DTYPE))
+    n_rows = tl.load(entry + 2)     # rows of the tile
+    n_cols = tl.load(entry + 3)     # elements per row (a tensor without lines: rows of CB)
+    length = tl.load(entry + 4)     # elements of the tile (the last row may be partial without lines)
+    marks_on = tl.load(entry + 5)   # 1: its tensor's lines are counted
+    row_marks = marks + tl.load(entry + 6)
+    col_marks = marks + tl.load(entry + 7)
     if not WIDE:  # 32-bit index arithmetic unless a tile passes 2**31 elements
         n_rows = n_rows.to(tl.int32)
         n_cols = n_cols.to(tl.int32)
@@ -138,7 +143,8 @@ def _tile_kernel(tiles, inv_scale, hist_out, extra_out, amax_out, amin_out, sums
     rr = tl.arange(0, RB)
     cc = tl.arange(0, CB)
     if HAS_SCALE:
-        inv = tl.load(inv_scale)
+        # A scale of 0 (collapsed) would make 0 * inf = NaN of every zero: the largest float instead.
+        inv = tl.minimum(tl.load(inv_scale), 3.4028234663852886e38)
     else:
         inv = 1.0
     hist = tl.zeros([NBINS], dtype=tl.int32)
@@ -199,9 +205,40 @@ def _slot_rows(start, end, rows, bins, extra_index, hist_in, extra_in, amax_in, 
 
 
 @triton.jit
-def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, counts, amax, amin, sumsq,
-                 STRIDE: tl.constexpr, ABOVE_AT: tl.constexpr, ROWS: tl.constexpr, FIRST_E: tl.constexpr,
-                 BINS: tl.constexpr, NBINS: tl.constexpr, FOR_LOOP: tl.constexpr):
+def _line_zeros(lines, marks, tensor, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """The elements in the unmarked rows and columns of one tensor's 2-D view (0 without lines)."""
+    n_rows = tl.load(lines + tensor * 4)
+    n_cols = tl.load(lines + tensor * 4 + 1)
+    row_marks = marks + tl.load(lines + tensor * 4 + 2)
+    col_marks = marks + tl.load(lines + tensor * 4 + 3)
+    offsets = tl.arange(0, BLOCK)
+    rows = tl.zeros([BLOCK], dtype=tl.int64)
+    cols = tl.zeros([BLOCK], dtype=tl.int64)
+    if FOR_LOOP:
+        for start in range(0, n_rows, BLOCK):
+            rows += tl.load(row_marks + start + offsets, mask=start + offsets < n_rows, other=0).to(tl.int64)
+        for start in range(0, n_cols, BLOCK):
+            cols += tl.load(col_marks + start + offsets, mask=start + offsets < n_cols, other=0).to(tl.int64)
+    else:
+        start = n_rows * 0
+        while start < n_rows:
+            rows += tl.load(row_marks + start + offsets, mask=start + offsets < n_rows, other=0).to(tl.int64)
+            start += BLOCK
+        start = n_cols * 0
+        while start < n_cols:
+            cols += tl.load(col_marks + start + offsets, mask=start + offsets < n_cols, other=0).to(tl.int64)
+            start += BLOCK
+    zero_rows = n_rows - tl.sum(rows, axis=0)
+    zero_cols = n_cols - tl.sum(cols, axis=0)
+    return zero_rows * n_cols + zero_cols * n_rows - zero_rows * zero_cols
+
+
+@triton.jit
+def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, lines, marks, n_tensors, counts, amax, amin,
+                 sumsq, line_zeros, STRIDE: tl.constexpr, ABOVE_AT: tl.constexpr, ROWS: tl.constexpr,
+                 FIRST_E: tl.constexpr, BINS: tl.constexpr, NBINS: tl.constexpr, PER_TENSOR: tl.constexpr,
+                 LINE_BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """One program per slot: its tiles' results added in tile order, and its tensors' zero lines."""
     slot = tl.program_id(0)
     begin = tl.load(first + slot)
     end = tl.load(first + slot + 1)
@@ -244,36 +281,19 @@ def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, counts, a
     tl.store(amax + slot, tl.max(top, axis=0))
     tl.store(amin + slot, tl.min(low, axis=0))
     tl.store(sumsq + slot, tl.sum(squares, axis=0))
-
-
-@triton.jit
-def _line_kernel(lines, marks, out, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """Per tensor: the elements in the unmarked rows and columns of its 2-D view (0 without lines)."""
-    tensor = tl.program_id(0)
-    n_rows = tl.load(lines + tensor * 4)
-    n_cols = tl.load(lines + tensor * 4 + 1)
-    row_marks = marks + tl.load(lines + tensor * 4 + 2)
-    col_marks = marks + tl.load(lines + tensor * 4 + 3)
-    offsets = tl.arange(0, BLOCK)
-    rows = tl.zeros([BLOCK], dtype=tl.int64)
-    cols = tl.zeros([BLOCK], dtype=tl.int64)
-    if FOR_LOOP:
-        for start in range(0, n_rows, BLOCK):
-            rows += tl.load(row_marks + start + offsets, mask=start + offsets < n_rows, other=0).to(tl.int64)
-        for start in range(0, n_cols, BLOCK):
-            cols += tl.load(col_marks + start + offsets, mask=start + offsets < n_cols, other=0).to(tl.int64)
-    else:
-        start = n_rows * 0
-        while start < n_rows:
-            rows += tl.load(row_marks + start + offsets, mask=start + offsets < n_rows, other=0).to(tl.int64)
-            start += BLOCK
-        start = n_cols * 0
-        while start < n_cols:
-            cols += tl.load(col_marks + start + offsets, mask=start + offsets < n_cols, other=0).to(tl.int64)
-            start += BLOCK
-    zero_rows = n_rows - tl.sum(rows, axis=0)
-    zero_cols = n_cols - tl.sum(cols, axis=0)
-    tl.store(out + tensor, zero_rows * n_cols + zero_cols * n_rows - zero_rows * zero_cols)
+    if PER_TENSOR:
+        tl.store(line_zeros + slot, _line_zeros(lines, marks, slot, LINE_BLOCK, FOR_LOOP))
+    else:  # one slot: every tensor's
+        total = _line_zeros(lines, marks, 0, LINE_BLOCK, FOR_LOOP)
+        if FOR_LOOP:
+            for tensor in range(1, n_tensors):
+                total += _line_zeros(lines, marks, tensor, LINE_BLOCK, FOR_LOOP)
+        else:
+            tensor = n_tensors * 0 + 1
+            while tensor < n_tensors:
+                total += _line_zeros(lines, marks, tensor, LINE_BLOCK, FOR_LOOP)
+                tensor += 1
+        tl.store(line_zeros + slot, total)
 
 
 def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_scale: torch.Tensor | None,
@@ -282,33 +302,31 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
     """``(counts, amax, amin_code, sumsq, line_zeros)`` of ``tensors`` as :class:`~.full.FullStats`
     holds them (``slot_stride`` entries per slot: the codes, then above/below/zero from
     ``above_at``; the histogram of ``hist_bins`` bins from binade ``hist_min_exp`` filed as
-    described in this module's docstring). A memset, three launches and one non-blocking copy of
-    the tile list. Does not sync."""
+    described in this module's docstring). ``inv_scale`` as torch's unscale_ takes it (a collapsed
+    scale's inf is clamped here). A memset and two launches; several tensors add a non-blocking
+    copy of their addresses. Does not sync."""
     device, dtype = tensors[0].device, tensors[0].dtype
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    shapes = tuple(tuple(t.shape) for t in flat)
-    plan = _plan(shapes, per_tensor, lines, flat[0].element_size())
-    n_tiles, n_slots, n_tensors = plan.n_tiles, plan.n_slots, len(flat)
-    addresses = np.array([t.data_ptr() for t in flat], dtype=np.int64)
-
-    host = torch.empty(plan.shipped.size, dtype=torch.int64,
-                       pin_memory=device.type == "cuda")  # pageable memory would make the copy synchronous
-    table = host.numpy()
-    table[:] = plan.shipped
-    table[0:_TABLE * n_tiles:_TABLE] += addresses[plan.owner]
-    shipped = host.to(device, non_blocking=True)
-    tiles = shipped[:_TABLE * n_tiles]
-    first_tile = shipped[_TABLE * n_tiles:_TABLE * n_tiles + n_slots + 1]
-    line_table = shipped[_TABLE * n_tiles + n_slots + 1:]
+    plan = _plan(tuple(t.shape for t in flat), per_tensor, lines)
+    table = plan.on(device)
+    single = len(flat) == 1
+    if single:  # the tensor itself is the kernel's argument (bfloat16 read as int16: see _block)
+        addresses, data = table, flat[0].view(torch.int16) if dtype == torch.bfloat16 else flat[0]
+    else:
+        host = torch.tensor([t.data_ptr() for t in flat], dtype=torch.int64,
+                            pin_memory=device.type == "cuda")  # pageable memory would make the copy synchronous
+        addresses, data = host.to(device, non_blocking=True), table
+    n_tiles, n_slots = plan.n_tiles, plan.n_slots
+    tiles, first_tile, line_table = plan.views(table)
 
     # One zeroed buffer (one memset): the counts, then a byte per row and column of the 2-D views.
-    zeroed = torch.zeros(n_slots * slot_stride * 8 + plan.n_marks, dtype=torch.uint8, device=device)
+    zeroed = torch.zeros(n_slots * slot_stride * 8 + max(plan.n_marks, 1), dtype=torch.uint8, device=device)
     counts = zeroed[:n_slots * slot_stride * 8].view(torch.int64)
     marks = zeroed[n_slots * slot_stride * 8:]
     amax = torch.empty(n_slots, dtype=torch.float32, device=device)
     amin = torch.empty(n_slots, dtype=torch.int32, device=device)
     sumsq = torch.empty(n_slots, dtype=torch.float64, device=device)
-    line_zeros = torch.empty(n_tensors, dtype=torch.int64, device=device)
+    line_zeros = torch.empty(n_slots, dtype=torch.int64, device=device)
     nbins = max(2, triton.next_power_of_2(hist_bins))
     rows = max(n_tiles, 1)
     partial_hist = torch.empty((rows, nbins), dtype=torch.int32, device=device)
@@ -320,19 +338,19 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
     first_e = 127 + hist_min_exp
     with _on(device):
         if n_tiles:
-            _tile_kernel[(n_tiles,)](tiles, scale, partial_hist, partial_extra, partial_amax, partial_amin,
-                                     partial_sumsq, marks if plan.n_marks else zeroed, float(threshold),
-                                     DTYPE=_TL_DTYPES[dtype], HAS_SCALE=inv_scale is not None, RB=RB, CB=CB,
-                                     FIRST_E=first_e, LAST_BIN=hist_bins - 1, NBINS=nbins, WIDE=plan.wide,
-                                     FOR_LOOP=not _INTERPRETED, BF16=dtype == torch.bfloat16, num_warps=8)
-        _slot_kernel[(n_slots,)](first_tile, partial_hist, partial_extra, partial_amax, partial_amin,
-                                 partial_sumsq, counts, amax, amin, sumsq, STRIDE=slot_stride, ABOVE_AT=above_at,
-                                 ROWS=_SLOT_ROWS, FIRST_E=first_e, BINS=hist_bins, NBINS=nbins,
+            _tile_kernel[(n_tiles,)](tiles, addresses, data, scale, partial_hist, partial_extra, partial_amax,
+                                     partial_amin, partial_sumsq, marks, float(threshold), DTYPE=_TL_DTYPES[dtype],
+                                     ESIZE=flat[0].element_size(), SINGLE=single, HAS_SCALE=inv_scale is not None,
+                                     RB=RB, CB=CB, FIRST_E=first_e, LAST_BIN=hist_bins - 1, NBINS=nbins,
+                                     WIDE=plan.wide, FOR_LOOP=not _INTERPRETED, BF16=dtype == torch.bfloat16,
+                                     num_warps=8)
+        _slot_kernel[(n_slots,)](first_tile, partial_hist, partial_extra, partial_amax, partial_amin, partial_sumsq,
+                                 line_table, marks, len(flat), counts, amax, amin, sumsq, line_zeros,
+                                 STRIDE=slot_stride, ABOVE_AT=above_at, ROWS=_SLOT_ROWS, FIRST_E=first_e,
+                                 BINS=hist_bins, NBINS=nbins, PER_TENSOR=per_tensor, LINE_BLOCK=_LINE_BLOCK,
                                  FOR_LOOP=not _INTERPRETED, num_warps=4)
-        _line_kernel[(n_tensors,)](line_table, marks if plan.n_marks else zeroed, line_zeros, BLOCK=_LINE_BLOCK,
-                                   FOR_LOOP=not _INTERPRETED, num_warps=4)
     del flat  # the copies of non-contiguous tensors are freed stream-ordered: the kernels have them
-    return counts, amax, amin, sumsq, line_zeros if per_tensor else line_zeros.sum(dim=0, keepdim=True)
+    return counts, amax, amin, sumsq, line_zeros
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -353,19 +371,19 @@ class _Nothing:
 
 
 class _Plan:
-    """What does not change between calls on tensors of the same shapes and dtype: the tiles and
-    the table sent to the device (``shipped``), but for the tensors' addresses, which each call
-    adds to its tiles' byte offsets. A model's shapes rarely change, so each plan is built once.
+    """What does not change between calls on tensors of the same shapes: the tiles, each slot's
+    first tile and each tensor's line geometry, as one int64 table kept on each device it is used
+    on (copied once, without blocking). A model's shapes rarely change, so each plan is built once.
 
     A tensor of 2 or more dimensions is tiled by whole rows of its 2-D view (rows of ``n_cols``
     elements, ``RB`` rows a block at least), so that its line marks need no division; one of
     fewer is read as rows of ``CB`` elements, the last one partial, with no marks."""
 
-    def __init__(self, shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str, element_size: int) -> None:
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str) -> None:
         numels = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         target = max(MIN_TILE, -(-sum(numels) // MAX_TILES))  # elements per tile, about
         geometry = np.zeros((len(shapes), 4), dtype=np.int64)  # rows, columns, row marks, column marks
-        entries, owner, per = [], [], []
+        entries, ends = [], []
         at = 0
         for i, (shape, n) in enumerate(zip(shapes, numels)):
             if n and len(shape) >= 2:
@@ -375,27 +393,39 @@ class _Plan:
                 step = max(RB, target // n_cols // RB * RB)  # rows per tile
                 for first in range(0, n_rows, step):
                     rows = min(step, n_rows - first)
-                    entries.append((first * n_cols * element_size, rows, n_cols, rows * n_cols, 1,
-                                    at + first, at + n_rows, 0))
+                    entries.append((i, first * n_cols, rows, n_cols, rows * n_cols, 1, at + first, at + n_rows))
                 at += n_rows + n_cols
             elif n:
                 step = -(-target // CB) * CB
                 for first in range(0, n, step):
                     length = min(step, n - first)
-                    entries.append((first * element_size, -(-length // CB), CB, length, 0, 0, 0, 0))
-            owner.extend([i] * (len(entries) - len(owner)))
-            per.append(len(entries))
-        self.owner = np.array(owner, dtype=np.int64)
+                    entries.append((i, first, -(-length // CB), CB, length, 0, 0, 0))
+            ends.append(len(entries))
         self.n_tiles = len(entries)
         self.n_marks = at
         table = np.array(entries, dtype=np.int64).reshape(-1, _TABLE)
-        self.wide = bool(self.n_tiles and table[:, 3].max() >= 2**31 - RB * CB)
-        first = np.array([0] + per, dtype=np.int64) if per_tensor else np.array([0, self.n_tiles], dtype=np.int64)
+        self.wide = bool(self.n_tiles and table[:, 4].max() >= 2**31 - RB * CB)
+        first = np.array([0] + ends, dtype=np.int64) if per_tensor else np.array([0, self.n_tiles], dtype=np.int64)
         self.n_slots = len(first) - 1
-        self.shipped = np.concatenate([table.reshape(-1), first, geometry.reshape(-1)])
-        self.shipped.setflags(write=False)
+        self._host = torch.from_numpy(np.concatenate([table.reshape(-1), first, geometry.reshape(-1)]))
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The table on ``device``: copied the first time, without blocking."""
+        table = self._on.get(device)
+        if table is None:
+            host = self._host.pin_memory() if device.type == "cuda" else self._host
+            table = self._on[device] = host.to(device, non_blocking=True)
+        return table
+
+    def views(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tiles, each slot's first tile, and the tensors' line geometry, in ``table``."""
+        tiles = table.narrow(0, 0, _TABLE * self.n_tiles)
+        first = table.narrow(0, _TABLE * self.n_tiles, self.n_slots + 1)
+        return tiles, first, table.narrow(0, _TABLE * self.n_tiles + self.n_slots + 1,
+                                          table.numel() - _TABLE * self.n_tiles - self.n_slots - 1)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str, element_size: int) -> _Plan:
-    return _Plan(shapes, per_tensor, lines, element_size)
+def _plan(shapes: tuple[tuple[int, ...], ...], per_tensor: bool, lines: str) -> _Plan:
+    return _Plan(shapes, per_tensor, lines)
