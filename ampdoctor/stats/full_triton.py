@@ -1,6 +1,6 @@
 """The *triton* algorithm of the full statistics (:func:`ampdoctor.stats.full_stats` on CUDA when
-Triton is there): three kernel launches and a memset for any number of tensors, each element read
-once, no atomics, temporaries that do not grow with the data.
+Triton is there): two kernel launches and a memset for any number of tensors, each element read
+once, no atomics into global memory, temporaries that do not grow with the data.
 
 Why a kernel: the statistics are a histogram (counts per binade and slot). Torch has no sync-free,
 deterministic histogram op that does not send every element of a tensor to the same few
@@ -10,28 +10,30 @@ sampled step spent 173 ms of 228 in it), ``bincount`` reads its maximum to the h
 private histogram in registers (``tl.histogram``), and the tiles' partial results are combined per
 slot by a second kernel in a fixed order: the results are the same run to run, and exact.
 
-How. The host lists the tiles of the call (about ``MAX_TILES`` at most, each within one tensor):
-the address of its first element, its length, where it starts in its tensor and that tensor's
-line geometry. Kernel 1 (:func:`_tile_kernel`) reads each tile once through that address (no
-``torch.cat`` copy) and writes the tile's partial results: the histogram of the unscaled
-magnitudes over the run's histogram bins (binades below the first bin and zeros in bin 0, those
-above the last in the last), the zeros, the nonzero elements below the subnormal threshold, the
-non-finite elements and the quiet NaNs among them, the largest finite magnitude, the smallest
-nonzero one (as bits) and the sum of squares in float64; and it marks every row and column of its
-tensor's 2-D view that holds a nonzero element (a plain store of 1: a benign race, no atomics).
-Kernel 2 (:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order and
-fills the slot's row of ``FullStats.counts``: each histogram bin's count under the code of a
-binade in that bin (the first), which :meth:`~.full.FullStats.decode` maps back to the same bin,
-and the inf and NaN codes. Kernel 3 (:func:`_line_kernel`), one program per tensor, counts the
-elements in unmarked lines. The element judgements are those of the other two algorithms
-(:mod:`.full`), on the same float32 products.
+How. A tile is whole rows of a tensor's 2-D view (the view :func:`~.full.zero_line_elements`
+takes), read in blocks of ``RB`` rows x ``CB`` columns; a tensor of fewer than 2 dimensions is
+read as rows of ``CB`` elements. The tile table (:class:`_Plan`) depends on the shapes alone: it is
+built once and kept on the device; a call sends its tensors' addresses (or, for one tensor, the
+tensor itself). Kernel 1 (:func:`_tile_kernel`) writes each tile's partial results: the histogram
+of the unscaled magnitudes over the run's histogram bins (binades below the first bin and zeros in
+bin 0, those above the last in the last), the zeros, the elements below the subnormal threshold,
+the non-finite elements and the quiet NaNs among them, the largest finite magnitude, the smallest
+nonzero one (as bits) and the sum of squares in float64; and, once per block, it marks each row
+and column that holds a nonzero element (a plain store of 1: a benign race). Kernel 2
+(:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order, fills the
+slot's row of ``FullStats.counts`` (each histogram bin's count under the code of a binade in that
+bin, the first, which :meth:`~.full.FullStats.decode` maps back to the same bin; the inf and NaN
+codes) and counts the elements of its tensors' unmarked lines. The element judgements are those
+of the other two algorithms (:mod:`.full`), on the same float32 products.
 
 Limits. Tensors of one dtype and device (as :func:`full_stats` requires); a non-contiguous tensor
-is copied first (a module output seen through a transposed view, say). The first call per dtype in
-a process compiles the kernels (about a second each; Triton caches them on disk for later runs).
-Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors: that is how CI tests them, and
-``.ci`` compiles them for sm_90 without a GPU. Nothing here syncs: the tile list goes to the
-device as a non-blocking copy from pinned memory.
+is copied first (a module output seen through a transposed view, say). A tensor of very few
+columns (a 3x3 convolution over 3 channels: 27) leaves most of a block's lanes idle: correct,
+slower. The first call per dtype in a process compiles the kernels (about a second each; Triton
+caches them on disk for later runs). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU
+tensors: that is how CI tests them, and ``scripts/compile_triton_kernels.py`` compiles them for
+sm_90 without a GPU. Nothing here syncs: the addresses go to the device as a non-blocking copy
+from pinned memory.
 """
 
 from __future__ import annotations
