@@ -9,8 +9,10 @@ scattered zeros). For every algorithm of the full statistics (``ampdoctor.stats.
 ``FULL_ALGORITHMS`` where the tree has it, with "triton"; one that refuses the device is recorded
 with its error), and for ``light_stats`` as a reference, the time of one call
 ``full_stats(tensors, inv_scale=..., subnormal_below=6.1035e-05, per_tensor=True, algorithm=A)``:
-median of ``--repeats`` after warm-up, each call between two synchronizations (the wall time a step
-pays, launches included) and, on CUDA, also between two CUDA events (GPU time). Bandwidth = bytes
+median of ``--repeats`` after warm-up, each call between two synchronizations (the wall time of
+one call, launches included) and, on CUDA, also between two CUDA events; and calls back to back
+with one synchronization at the end (*pipelined*: as on a sampled step, where the host prepares
+launches while the device still runs backward, so what is left is the device's pace). Bandwidth = bytes
 read once (numel x element size) / time, beside the device's peak: on CUDA from the device
 properties (memory clock x bus width) where torch exposes them, else a table of known GPUs, else a
 measured device-to-device copy, which is printed in any case (on the CPU it is the reference). The
@@ -116,6 +118,18 @@ def time_calls(fn, device: str, repeats: int, seconds: float, warmup: int = 2) -
             "repeats": len(walls)}
 
 
+def pipelined_seconds(fn, device: str, one_call: float, seconds: float) -> float:
+    """Seconds per call of ``fn()`` called back to back (one synchronization after all of them):
+    as many calls as fit in ``seconds`` by ``one_call``'s time, 3 to 20."""
+    calls = max(3, min(20, int(seconds / max(one_call, 1e-6))))
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / calls
+
+
 class OpCounter(TorchDispatchMode):
     """The aten ops dispatched while active (each a kernel launch on a GPU, except views)."""
 
@@ -211,6 +225,13 @@ def measure_call(fn, nbytes: int, device: str, args, peak: float | None, copy_gb
     row = {"status": "ok", "warnings": sorted({str(w.message) for w in caught}), **timing, "gbps": gbps,
            "gpu_gbps": nbytes / timing["gpu_seconds"] / 1e9 if timing["gpu_seconds"] else None,
            "share_of_peak": gbps / peak if peak else None, "share_of_copy": gbps / copy_gbps}
+    # Back to back, as on a sampled step, where the GPU is still busy with backward while the host
+    # prepares the next launches: the host's time per call hides behind the device's, and what is
+    # left is how fast the device goes through the data.
+    pipelined = pipelined_seconds(fn, device, timing["seconds"], args.seconds)
+    row.update(pipelined_seconds=pipelined, pipelined_gbps=nbytes / pipelined / 1e9,
+               pipelined_share_of_peak=nbytes / pipelined / 1e9 / peak if peak else None,
+               pipelined_share_of_copy=nbytes / pipelined / 1e9 / copy_gbps)
     # The counts cost the count, not the timing, if they fail (a profiler that cannot start).
     for counter, key in [(count_ops, "ops_error")] + ([(count_kernels, "kernels_error")] if device == "cuda" else []):
         try:
@@ -261,7 +282,8 @@ def print_result(result: dict) -> None:
     print(f"{result['device']}: {result['elements'] / 1e6:.1f} M float32 elements in {result['tensors']} tensors "
           f"({result['bytes'] / 1e6:.0f} MB); peak {'—' if peak is None else f'{peak:,.0f} GB/s'} "
           f"({result['peak_source']}), device copy {result['copy']['gbps']:,.0f} GB/s")
-    print(f"{'call':<28} {'ms':>9} {'GB/s':>9} {'of peak':>8} {'of copy':>8} {'ops':>6} {'kernels':>8}")
+    print(f"{'call':<28} {'ms':>9} {'GB/s':>9} {'of peak':>8} {'of copy':>8} {'pipelined':>10} {'of peak':>8} "
+          f"{'ops':>6} {'kernels':>8}")
     rows = [(f"full_stats {name}" + (" (default)" if name == result["default_algorithm"] else ""), r)
             for name, r in result["algorithms"].items()] + [("light_stats", result["light_stats"])]
     for label, r in rows:
@@ -269,8 +291,9 @@ def print_result(result: dict) -> None:
             print(f"{label:<28} unavailable: {r['error']}")
             continue
         share = "—" if r["share_of_peak"] is None else f"{r['share_of_peak']:.1%}"
+        piped = "—" if r.get("pipelined_share_of_peak") is None else f"{r['pipelined_share_of_peak']:.1%}"
         print(f"{label:<28} {1e3 * r['seconds']:>9.3f} {r['gbps']:>9.4g} {share:>8} {r['share_of_copy']:>7.1%} "
-              f"{r.get('ops', '—'):>6} {r.get('kernels', '—'):>8}")
+              f"{r['pipelined_gbps']:>10.4g} {piped:>8} {r.get('ops', '—'):>6} {r.get('kernels', '—'):>8}")
         for message in r["warnings"]:
             print(f"{'':<28} warned: {message}")
 

@@ -102,7 +102,8 @@ def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, 
     # The run's bin of each binade (exponent field 0, zeros and float32 subnormals, in bin 0);
     # non-finite ones land in the last bin and are taken off at the end.
     binned = tl.minimum(tl.maximum(exponent - FIRST_E, 0), LAST_BIN)
-    binned = tl.where(exponent == 0, 0, binned)
+    if FIRST_E < 1:  # (else exponent 0 is below the first bin anyway)
+        binned = tl.where(exponent == 0, 0, binned)
     hist += tl.histogram(tl.reshape(binned, [RB * CB], can_reorder=True), NBINS)
     finite = tl.where(bits < _INF_BITS, bits, 0).to(tl.float32, bitcast=True)
     top = tl.maximum(top, finite)
