@@ -2,23 +2,31 @@
 
 Mechanism. Each selected module gets a forward pre-hook and a forward hook (``always_call``, so a
 forward that raises cannot unbalance the call stack). The forward hook hands each floating-point
-output tensor to the sink and registers a *tensor* hook on it when it requires grad. A tensor hook
-receives the gradient w.r.t. the value the module returned even when that tensor is modified in
-place afterwards (``ReLU(inplace=True)``, ``x += residual``): autograd gives hooks registered before
-an in-place op the gradient of the pre-op value. Module *full* backward hooks are not used: they
-route outputs through a custom autograd Function, which makes them views that in-place ops refuse
-to modify.
+output tensor to the sink and, when it requires grad, registers a pre-hook on its autograd node
+(``grad_fn.register_prehook``), which receives the gradient w.r.t. each output of the node and
+hands the sink the one of the returned tensor. That is the gradient w.r.t. the value the module
+returned even when the tensor is modified in place afterwards (``ReLU(inplace=True)``,
+``x += residual``): the in-place op gives the tensor a new node, and the old node still receives
+the gradient of the pre-op value. A node pre-hook rather than a tensor hook
+(``Tensor.register_hook``, which autograd runs at the same place): it is registered in C++, for
+half the host time, and it sees the gradient as the node receives it, after any tensor hook the
+user put on that output. Module *full* backward hooks are not used: they route outputs through a
+custom autograd Function, which makes them views that in-place ops refuse to modify.
 
-Structure. Every call of a tapped module gets a number (``call``, in the order calls begin), its
-``parent`` (the innermost tapped call it ran inside) and its ``inputs``: the tapped calls whose
-returned tensor it received, either unmodified (same object, same version) or through untapped
-operations (``torch.tanh(x)``, ``h += x``, a reshape), found by walking back a few autograd nodes
-to the nodes of tapped outputs. These are the facts the analysis needs to name the module whose
-backward produced a gradient (:mod:`ampdoctor.analysis.origins`).
+Structure. Every call of a tapped module gets a number, its parent call and the calls whose
+returned tensors it received (:mod:`ampdoctor.call_graph`).
 
-Lifetime. Nothing here holds a tensor: returned tensors are remembered through weak references for
-the ``inputs`` facts, and tensor hooks capture only the call's facts. ``remove()`` removes every
-module hook and turns the tensor hooks still attached to live tensors into no-ops.
+Cost. Hooks run per tapped call and per output, so they do little: what a light step keeps per
+tensor is one ``aminmax`` and a few entries in a list (:mod:`ampdoctor.light_taps`); no lock is
+taken (counters are ``itertools.count`` objects, call stacks are per thread); and a static model
+makes no new Python object per call that lives to the step's end (the call's facts and its
+gradient hook are the previous step's when they are equal), because such objects set off
+Python's garbage collector. Measured by ``benchmarks/host_cost.py`` (docs/benchmarks.md).
+
+Lifetime. Nothing here holds a tensor or an autograd node: returned tensors are remembered by id,
+version and node sequence number (weak references for those without history), and node
+pre-hooks capture only the call's facts. ``remove()`` removes every module hook and turns the
+pre-hooks still attached to live nodes into no-ops.
 
 Under ``torch.compile`` the hooks return at once (``torch.compiler.is_compiling()``), so dynamo
 traces them as no-ops and the compiled graph is what it would be without them.
@@ -26,15 +34,17 @@ traces them as no-ops and the compiled graph is what it would be without them.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import re
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, Union
+from typing import Any, Callable, Iterable, Protocol, Union
 
 import torch
 from torch import nn
 
+from .call_graph import CallGraph, ModuleCall, tensors_in
 from .schema import ROOT_NAME
 
 WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # never tapped
@@ -45,23 +55,15 @@ CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.
 ModuleFilter = Union[None, str, "re.Pattern[str]", type, Iterable[Union[str, "re.Pattern[str]", type]],
                      Callable[[str, nn.Module], bool]]
 
-_MAX_REMEMBERED = 1 << 16  # returned-tensor entries kept for the ``inputs`` facts before pruning
-_MAX_WALK = 64             # autograd nodes visited per input when looking for its tapped sources
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-@dataclass(frozen=True)
-class ModuleCall:
-    """The structural facts of one call of a tapped module."""
-
-    name: str
-    call: int
-    parent: int | None
-    inputs: tuple[int, ...]
-    module_id: int
+_get_ident = threading.get_ident
+_is_compiling = torch.compiler.is_compiling
 
 
 class TapSink(Protocol):
+    """What the taps hand each tensor to (``observe_tap``, unless :meth:`ModuleTaps.reset` names
+    another observer for the step) and their failures (``fail``)."""
+
     def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None: ...
 
     def fail(self, exc: BaseException) -> None: ...
@@ -138,23 +140,15 @@ def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:
     return lambda name, m: any(p(name, m) for p in parts)
 
 
-def float_tensors(value: Any) -> Iterator[torch.Tensor]:
+def float_tensors(value: Any) -> list[torch.Tensor]:
     """The non-empty floating-point dense tensors in a (nested) tuple / list / dict output
     (float8 tensors are skipped: torch has no reductions for them)."""
-    for t in _all_tensors(value):
-        if t.is_floating_point() and t.layout == torch.strided and t.numel() and t.element_size() > 1:
-            yield t
+    tensors = [value] if isinstance(value, torch.Tensor) else tensors_in(value)
+    return [t for t in tensors if t.dtype in _TAPPED_DTYPES and t.layout == torch.strided and t.numel()]
 
 
-def _all_tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _all_tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _all_tensors(v)
+# The floating-point dtypes torch reduces (not float8), as a set: one lookup per tensor.
+_TAPPED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 def inert_hook(*args: Any, **kwargs: Any) -> None:
@@ -178,11 +172,12 @@ class ModuleHook:
         self._module = weakref.ref(module)
         self._fn = fn
 
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # DataParallel's replicas share the original's hook dicts: they are the training model.
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        # (torch passes hook arguments by position.) DataParallel's replicas share the
+        # original's hook dicts: they are the training model.
         if module is not self._module() and not getattr(module, "_is_replica", False):
             return None
-        return self._fn(module, *args, **kwargs)
+        return self._fn(module, *args)
 
     def __deepcopy__(self, memo: dict) -> Callable[..., None]:
         return inert_hook
@@ -193,174 +188,120 @@ class ModuleHook:
 
 class ModuleTaps:
     """Forward and gradient taps on the selected modules of one model; feeds a :class:`TapSink`.
-
     Hooks never sync: they only hand tensors to the sink, which queues device work."""
 
     def __init__(self, model: nn.Module, modules: ModuleFilter, sink: TapSink) -> None:
         self.targets = select_modules(model, modules)
         self._sink = sink
         self._handles: list[Any] = []
-        self._lock = threading.Lock()
-        self._local = threading.local()  # per-thread call stack (recomputation runs in backward)
+        self._on = False  # the module hooks are installed: node pre-hooks left on live nodes check it
+        self._graph = CallGraph()
         self.reset()
 
+    @property
+    def calls(self) -> int:
+        """The calls begun in the step in progress (0: no tap fired). No sync."""
+        return self._graph.calls
+
     def install(self) -> None:
-        """Register the module hooks (between iterations). Idempotent."""
+        """Register the module hooks (between iterations). Idempotent. No sync."""
         if self._handles:
             return
         try:
             for name, module in self.targets:
                 self._handles.append(module.register_forward_pre_hook(
-                    ModuleHook(module, self._pre_hook(name)), with_kwargs=True))
+                    ModuleHook(module, functools.partial(self._before_forward, name)), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
-                    ModuleHook(module, self._post_hook()), with_kwargs=True, always_call=True))
+                    ModuleHook(module, self._after_forward), with_kwargs=True, always_call=True))
         except BaseException:
             self.remove()
             raise
+        self._on = True
 
     def remove(self) -> None:
-        """Remove every module hook; tensor hooks still on live tensors become no-ops (they
-        return at once while no module hook is installed). Idempotent."""
+        """Remove every module hook; node pre-hooks still on live autograd nodes become no-ops
+        (they return at once while no module hook is installed). Idempotent. No sync."""
+        self._on = False
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
 
-    def reset(self) -> None:
-        """Start a new step: numbering restarts, remembered tensors are forgotten, and call
-        stacks left over from a forward that never returned (KeyboardInterrupt) are dropped."""
-        with self._lock:
-            self._generation = getattr(self, "_generation", 0) + 1
-            self.calls = 0
-            self._forward_order = 0
-            self._backward_order = 0
-            self._returned: dict[int, list[tuple[weakref.ref, int, int]]] = {}
-            self._node_calls: dict[tuple[int, int], list[int]] = {}  # autograd node key -> calls
+    def reset(self, observe: Callable[[str, ModuleCall, int, torch.Tensor], None] | None = None) -> None:
+        """Start a new step (between iterations, on the training thread): numbering restarts,
+        remembered tensors are forgotten, and call stacks left over from a forward that never
+        returned (KeyboardInterrupt) are dropped. ``observe``: what the taps hand each tensor to
+        in this step, called as the sink's ``observe_tap`` is (the default). No sync."""
+        self._observe = observe or self._sink.observe_tap
+        self._graph.reset()
+        self._previous_hooks, self._hooks = getattr(self, "_hooks", {}), {}  # call (, output) -> node pre-hook
+        self._forward_order = itertools.count()
+        self._backward_order = itertools.count()
+        self._stacks: dict[int, list[ModuleCall]] = {}  # thread id -> its call stack
 
-    # -- hooks -------------------------------------------------------------------------------
-    def _stack(self) -> list[ModuleCall]:
-        if getattr(self._local, "generation", None) != self._generation:
-            self._local.stack, self._local.generation = [], self._generation
-        return self._local.stack
+    # -- hooks (no sync; a failure goes to the sink's fail()) ---------------------------------
+    # They run per tapped call and per output: each attribute lookup and call counts here.
+    # Reentrant checkpointing recomputes forwards inside backward, so each thread keeps its
+    # own call stack.
 
-    def _pre_hook(self, name: str):
-        def before_forward(module, args, kwargs):
-            if torch.compiler.is_compiling() or not self._handles:
-                return None
-            try:
-                stack = self._stack()
-                with self._lock:
-                    call = self.calls
-                    self.calls += 1
-                stack.append(ModuleCall(name, call, stack[-1].call if stack else None,
-                                        self._sources((args, kwargs)), id(module)))
-            except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
-                self._sink.fail(exc)
+    def _before_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _is_compiling() or not self._on:
             return None
+        try:
+            stack = self._stacks.get(_get_ident())
+            if stack is None:
+                stack = self._stacks.setdefault(_get_ident(), [])
+            stack.append(self._graph.begin(name, id(module), stack[-1].call if stack else None, args, kwargs))
+        except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
+            self._sink.fail(exc)
+        return None
 
-        return before_forward
-
-    def _post_hook(self):
-        def after_forward(module, args, kwargs, output):
-            if torch.compiler.is_compiling() or not self._handles:
-                return None
-            try:
-                stack = self._stack()
-                if not stack or stack[-1].module_id != id(module):
-                    return None  # installed while this module was running
-                info = stack.pop()
-                if output is None:
-                    return None  # forward raised (always_call) or returned nothing
-                # Inside backward this is a checkpoint recomputation: its forward was observed
-                # when it first ran; its outputs still get gradient taps (reentrant checkpointing
-                # backpropagates through the recomputed graph).
-                recomputing = _current_graph_task_id() != -1
-                for t in float_tensors(output):
-                    if not recomputing:
-                        self._sink.observe_tap("output", info, self._next_forward(), t)
-                    self._remember(t, info.call)
-                    # Not on leaves (a returned parameter): their hooks would outlive the step.
-                    if t.requires_grad and t.grad_fn is not None:
-                        t.register_hook(self._grad_hook(info))
-            except Exception as exc:  # noqa: BLE001
-                self._sink.fail(exc)
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _is_compiling() or not self._on:
             return None
+        try:
+            stack = self._stacks.get(_get_ident())
+            if not stack or stack[-1].module_id != id(module):
+                return None  # installed while this module was running
+            info = stack.pop()
+            if output is None:
+                return None  # forward raised (always_call) or returned nothing
+            # Inside backward this is a checkpoint recomputation: its forward was observed
+            # when it first ran; its outputs still get gradient taps (reentrant checkpointing
+            # backpropagates through the recomputed graph).
+            recomputing = _current_graph_task_id() != -1
+            for t in float_tensors(output):
+                if not recomputing:
+                    self._observe("output", info, next(self._forward_order), t)
+                self._graph.returned(t, info.call)
+                # Not on leaves (a returned parameter): their hooks would outlive the step.
+                node = t.grad_fn
+                if node is not None and t.requires_grad:
+                    node.register_prehook(self._gradient_hook(info, t.output_nr))
+        except Exception as exc:  # noqa: BLE001
+            self._sink.fail(exc)
+        return None
 
-        return after_forward
+    def _gradient_hook(self, info: ModuleCall, output_nr: int) -> Callable[[tuple], None]:
+        """The pre-hook of the autograd node of call ``info``'s output ``output_nr``: a partial,
+        not a closure (the bound method and the facts, nothing else), and the previous step's one
+        when ``info`` is the previous step's call (see :mod:`ampdoctor.call_graph`: a static
+        model makes no new object per step). No sync."""
+        key = info.call if not output_nr else (info.call, output_nr)  # (an int: no new object)
+        hook = self._hooks.get(key)
+        if hook is None:
+            hook = self._previous_hooks.get(key)
+            if hook is None or hook.args[0] is not info:
+                hook = functools.partial(self._on_gradients, info, output_nr)
+            self._hooks[key] = hook
+        return hook
 
-    def _grad_hook(self, info: ModuleCall):
-        def on_gradient(grad):
-            if torch.compiler.is_compiling() or not self._handles:
-                return None
-            try:
-                if grad is not None and grad.layout == torch.strided and grad.numel():
-                    self._sink.observe_tap("grad_output", info, self._next_backward(), grad)
-            except Exception as exc:  # noqa: BLE001
-                self._sink.fail(exc)
-            return None  # never changes the gradient
-
-        return on_gradient
-
-    # -- bookkeeping -------------------------------------------------------------------------
-    def _next_forward(self) -> int:
-        with self._lock:
-            order = self._forward_order
-            self._forward_order += 1
-        return order
-
-    def _next_backward(self) -> int:
-        with self._lock:
-            order = self._backward_order
-            self._backward_order += 1
-        return order
-
-    def _remember(self, t: torch.Tensor, call: int) -> None:
-        """Note that ``call`` returned ``t`` (at its current version)."""
-        with self._lock:
-            entries = self._returned.get(id(t))
-            if entries is None or entries[0][0]() is not t:  # new tensor (or a reused id)
-                if len(self._returned) >= _MAX_REMEMBERED:
-                    self._returned = {k: v for k, v in self._returned.items() if v[0][0]() is not None}
-                entries = self._returned[id(t)] = []
-            entries.append((weakref.ref(t), t._version, call))
-            if t.grad_fn is not None:
-                if len(self._node_calls) >= _MAX_REMEMBERED:
-                    self._node_calls = {}
-                self._node_calls.setdefault(_node_key(t.grad_fn), []).append(call)
-
-    def _sources(self, value: Any) -> tuple[int, ...]:
-        """The tapped calls whose returned tensors reach the tensors in ``value``."""
-        found: set[int] = set()
-        with self._lock:
-            for t in _all_tensors(value):
-                direct = [call for ref, version, call in self._returned.get(id(t), ())
-                          if ref() is t and version == t._version]
-                if direct:
-                    found.update(direct)
-                elif t.grad_fn is not None:
-                    found.update(self._upstream_calls(t.grad_fn))
-        return tuple(sorted(found))
-
-    def _upstream_calls(self, node) -> set[int]:
-        """Breadth-first from ``node`` through untapped autograd nodes, stopping at the nodes of
-        tapped outputs; visits at most _MAX_WALK nodes. Holds no node after returning."""
-        calls: set[int] = set()
-        queue, seen = [node], {id(node)}
-        for _ in range(_MAX_WALK):
-            if not queue:
-                break
-            current = queue.pop(0)
-            hit = self._node_calls.get(_node_key(current))
-            if hit is not None:
-                calls.update(hit)
-                continue
-            for nxt, _ in current.next_functions:
-                if nxt is not None and id(nxt) not in seen:
-                    seen.add(id(nxt))
-                    queue.append(nxt)
-        return calls
-
-
-def _node_key(node) -> tuple[int, int]:
-    """Identifies an autograd node without holding it (nodes cannot be weakly referenced): its
-    sequence number, unique per thread, and the thread-independent part of its type."""
-    return node._sequence_nr(), hash(type(node).__name__)
+    def _on_gradients(self, info: ModuleCall, output_nr: int, grads: tuple) -> None:
+        if _is_compiling() or not self._on:
+            return None
+        try:
+            grad = grads[output_nr]
+            if grad is not None and grad.layout == torch.strided and grad.numel():
+                self._observe("grad_output", info, next(self._backward_order), grad)
+        except Exception as exc:  # noqa: BLE001
+            self._sink.fail(exc)
+        return None  # never changes the gradients

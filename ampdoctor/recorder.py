@@ -34,16 +34,16 @@ from .anomalies import AnomalyWatch
 from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
+from .light_taps import LightTaps
 from .live_status import LiveStatus
 from .options import RecordOptions, default_path
 from .parameters import ParameterIndex
 from .plan import StepPlan
-from .records import (FlightStep, GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObservation, merge_params,
-                      pack_scalars)
+from .records import GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObservation, merge_params, pack_scalars
 from .rows import materialize
 from .run_identity import env_run_id, rank_and_world, shared_run_id
 from .run_metadata import RunMetadata
-from .stats import FullStats, SlotLayouts, extremes, full_stats, light_stats, peaks_from_extremes, tensor_peaks
+from .stats import SlotLayouts, full_stats, light_stats, tensor_peaks
 from .transfer import HostCopies
 from .writer import RunWriter
 
@@ -99,7 +99,8 @@ class Recorder:
         # Module taps, the flight recorder and escalation.
         self._taps: ModuleTaps | None = None
         self._module_stats: str | None = None   # what module taps record in the step in progress (plan.py)
-        self._tap_obs: list[TapObservation] = []
+        self._tap_obs: list[TapObservation] = []   # full module statistics of the step in progress
+        self._light_taps = LightTaps(MAX_TAP_ROWS_PER_STEP)  # light ones (the flight recorder's)
         self._dropped_taps = 0
         self._warned_dropped = False
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
@@ -251,26 +252,22 @@ class Recorder:
             value = t.detach().float().sum()
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
-    @_guarded
     def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
-        """Statistics of a tensor a module tap saw (``output``, or ``grad_output``: still scaled).
-        Called from module and tensor hooks. Does not sync."""
-        what = self._module_stats
-        if what is None:
+        """Full statistics of a tensor a module tap saw (``output``, or ``grad_output``: still
+        scaled). Called from module and node hooks, per tensor; not guarded, because the hooks
+        hand any failure to :meth:`fail` themselves. On light steps the taps call
+        :meth:`LightTaps.add <ampdoctor.light_taps.LightTaps.add>` instead (:meth:`_plan_step`).
+        Does not sync."""
+        if self._module_stats != "full":
             return
         if len(self._tap_obs) >= MAX_TAP_ROWS_PER_STEP:
             self._dropped_taps += 1
             return
-        if what == "light":
-            stats: FullStats | tuple = extremes(tensor)
-        else:
-            inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
-            stats = full_stats([tensor], inv_scale=inv,
-                                 subnormal_below=float_format(tensor.dtype).smallest_normal,
-                                 hist_min_exp=self.options.hist_min_exp,
-                                 hist_bins=self.options.hist_bins, layouts=self._layouts, lines="features")
-        self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype),
-                                            tensor.numel(), stats))
+        inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
+        stats = full_stats([tensor], inv_scale=inv, subnormal_below=float_format(tensor.dtype).smallest_normal,
+                           hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins,
+                           layouts=self._layouts, lines="features")
+        self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype), tensor.numel(), stats))
 
     def _inv_scale(self, device: torch.device) -> torch.Tensor | None:
         """1/scale as torch's unscale_ computes it, on ``device`` (once per step and device)."""
@@ -410,12 +407,8 @@ class Recorder:
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._plan.per_tensor(self.step),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
                             taps=taps if module_stats == "full" else [], params=merge_params(self._params))
-        flight_step = None
-        if module_stats == "light" and taps:
-            peaks = peaks_from_extremes([t.stats for t in taps], taps[0].stats[0].device)
-            for t in taps:
-                t.stats = None
-            flight_step = FlightStep(self.step, taps, peaks, None)
+        self._dropped_taps += self._light_taps.dropped
+        flight_step = self._light_taps.flight_step(self.step)
         copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
         record.scalars = copy(scalars) if scalars is not None else None
         for item in (*record.groups, *record.taps):
@@ -462,7 +455,9 @@ class Recorder:
             self._module_stats = None
             return
         self._module_stats = self._plan.module_stats(self.step)
-        self._taps.reset()
+        # Light steps: the taps hand tensors straight to the flight recorder's buffer (one call
+        # less per tensor than through observe_tap).
+        self._taps.reset(self._light_taps.add if self._module_stats == "light" else None)
         if self._module_stats is None:
             self._taps.remove()
             return

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .hooks import ModuleCall
+from .call_graph import ModuleCall
 from .stats import FullStats, LightStats
 from .transfer import Fence
 
@@ -78,12 +78,12 @@ class ParamRecord:
 
 @dataclass
 class FlightStep:
-    """One step in the flight recorder: the peaks of its light module taps, ``peaks[i]`` of
-    ``taps[i]`` (gradients still scaled by the step's scale)."""
+    """One step in the flight recorder: the peaks of its light module taps, ``peaks[i]`` of the
+    ``i``-th tap (gradients still scaled by the step's scale)."""
 
     step: int
-    taps: list[TapObservation]
-    peaks: torch.Tensor               # float32 [len(taps)], on the device until dumped
+    taps: list                        # flat, light_taps.FIELDS entries per tap (light_taps.observations)
+    peaks: torch.Tensor               # float32 [taps], on the device until dumped
     scalars: torch.Tensor | None      # the step's host scalars (see StepRecord)
     event: Fence | None = None        # the step's copy fence (its scalars)
 

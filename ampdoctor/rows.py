@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .formats import float_format
+from .light_taps import observations
 from .records import (FlightRecord, FlightStep, ParamCheck, ParamRecord, StepRecord, StepScalars, TapObservation,
                       read_scalars)
 from .stats import HostStats
@@ -117,7 +118,7 @@ def _flight_rows(flight_step: FlightStep, rank: int) -> Block:
     """A flight-recorder step: only ``amax`` is measured, as the peak magnitude (NaN or inf
     when the tensor held one); the other statistics are null."""
     step = _StepColumns.of(flight_step.step, rank, read_scalars(flight_step.scalars))
-    taps = flight_step.taps
+    taps = observations(flight_step.taps)
     peaks = flight_step.peaks.numpy().astype(np.float32)
     inv = np.float32(1.0 / np.float64(step.scale))  # as torch's unscale_: fp32 1/scale
     grads = np.array([t.kind == "grad_output" for t in taps])

@@ -8,7 +8,12 @@ parameter tensors) and reports, per steady step (one that is not sampled for ful
 * the torch ops dispatched per step (counted with a ``TorchDispatchMode``; views included),
   for the plain ``torch.amp.GradScaler`` and the extra ops of each recording level;
 * the host time per step (median over interleaved rounds, all variants in one process) and the
-  extra host time of each level.
+  extra host time of each level; at ``level="full"``, the extra per tapped module (``full``'s
+  extra over ``params``'s, divided by the modules: what the module taps cost).
+
+Host time is the training thread's CPU time (``time.thread_time``; torch runs on one thread, so
+its kernels are counted too): on a shared machine, wall time also counts the time other
+processes held the core. ``--clock wall`` measures wall time instead.
 
 The sampled steps (full statistics every ``every`` steps) are reported apart: they are 1 in 100.
 
@@ -113,7 +118,7 @@ def count_sampled_ops(trainer: Trainer) -> int:
     return counter.total
 
 
-def measure(rounds: int, layers_list=LAYERS) -> dict:
+def measure(rounds: int, layers_list=LAYERS, clock=time.thread_time) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -131,9 +136,9 @@ def measure(rounds: int, layers_list=LAYERS) -> dict:
                 for level in order:
                     t = trainers[level]
                     t.steady_step()
-                    start = time.perf_counter()
+                    start = clock()
                     t.train_step()
-                    times[level].append(time.perf_counter() - start)
+                    times[level].append(clock() - start)
             n_tensors = len(list(trainers["plain"].model.parameters()))
             n_modules = len(trainers["full"].scaler.recorder._taps.targets)
             for t in trainers.values():
@@ -145,18 +150,22 @@ def measure(rounds: int, layers_list=LAYERS) -> dict:
                 **{f"{level}_extra_ops": ops[level] - ops["plain"] for level in LEVELS[1:]},
                 **{f"{level}_extra_ms": round(median[level] - median["plain"], 3) for level in LEVELS[1:]},
                 **{f"{level}_sampled_extra_ops": sampled[level] - sampled["plain"] for level in LEVELS[1:]},
+                "full_us_per_module": round((median["full"] - median["params"]) / n_modules * 1e3, 1),
+                "full_ops_per_module": round((ops["full"] - ops["params"]) / n_modules, 2),
             })
     return {"device": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "rounds": rounds, "every": EVERY, "rows": rows}
+            "threads": torch.get_num_threads(), "clock": clock.__name__, "rounds": rounds, "every": EVERY,
+            "rows": rows}
 
 
 def table(result: dict) -> str:
     lines = ["| tensors (modules) | plain: ops, ms | steps: +ops, +ms | params: +ops, +ms | full: +ops, +ms "
-             "| sampled step: +ops (steps/params/full) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| full over params, per module: ops, µs | sampled step: +ops (steps/params/full) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         cells = [f"{r['param_tensors']} ({r['tapped_modules']})", f"{r['plain_ops']}, {r['plain_ms']:.2f}"]
         cells += [f"+{r[f'{lv}_extra_ops']}, {r[f'{lv}_extra_ms']:+.2f}" for lv in LEVELS[1:]]
+        cells.append(f"{r['full_ops_per_module']:.2f}, {r['full_us_per_module']:.1f}")
         cells.append(" / ".join(str(r[f"{lv}_sampled_extra_ops"]) for lv in LEVELS[1:]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -166,9 +175,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "host_cost_cpu.json"))
+    parser.add_argument("--clock", choices=["thread", "wall"], default="thread",
+                        help="the training thread's CPU time (default) or wall time")
     args = parser.parse_args()
     torch.set_num_threads(1)  # host cost, not kernel parallelism
-    result = measure(args.rounds)
+    result = measure(args.rounds, clock=time.thread_time if args.clock == "thread" else time.perf_counter)
     print(table(result))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -337,9 +337,9 @@ def test_a_failing_tap_warns_once_and_training_is_unchanged(run_path, monkeypatc
 
 
 def test_a_failing_tap_raises_in_strict_mode(run_path, monkeypatch):
-    import ampdoctor.recorder as recorder_module
+    import ampdoctor.light_taps as light_taps_module
 
-    monkeypatch.setattr(recorder_module, "extremes", lambda t: 1 / 0)
+    monkeypatch.setattr(light_taps_module, "extremes", lambda t: 1 / 0)
     model = DeepNet()
     with pytest.raises(ampdoctor.RecorderError, match="ZeroDivisionError"):
         with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", every=5,

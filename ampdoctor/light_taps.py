@@ -1,0 +1,89 @@
+"""The light module observations of one step, the flight recorder's: per tapped tensor one
+``aminmax`` on the device and what its row needs, and at the step's end the peak of each.
+
+Every tapped module's output and output gradient pass through here on the steps between module
+samples, so what is done per tensor is kept to the least: one ``aminmax`` (one kernel; no other
+device work per tensor), and one ``list.extend`` of its facts and extremes, in a flat list per
+dtype. A flat list makes no Python object per tensor that lives until the step ends: such
+objects are what sets off Python's garbage collector (docs/benchmarks.md). Per dtype, because
+``torch.stack`` of 0-dim tensors of mixed dtypes is about four times slower than of one dtype
+(autocast mixes them: bf16 linears, fp32 norms). The :class:`~ampdoctor.records.TapObservation`
+of each tensor is made only if its step is written, on the writer thread (:func:`observations`).
+
+The one ``extend`` per tensor is atomic under the GIL: taps on two autograd threads never
+interleave their entries. Nothing here syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .call_graph import ModuleCall
+from .formats import dtype_name
+from .records import FlightStep, TapObservation
+from .stats import extremes
+
+FIELDS = 7          # entries per tensor in a flat list: kind, call, order, torch dtype, numel, min, max
+_LOW, _HIGH = 5, 6  # the extremes' places; None once the step's peaks are made from them
+
+
+class LightTaps:
+    """The light observations of the step in progress."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit  # tensors kept per step; more are counted in ``dropped``
+        self._groups: dict[torch.dtype, list] = {}  # dtype -> flat list (FIELDS entries per tensor)
+        self._count = 0
+        self.dropped = 0
+
+    def add(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
+        """Keep ``tensor``'s extremes (one ``aminmax``) and facts. No sync."""
+        if self._count >= self._limit:
+            self.dropped += 1
+            return
+        self._count += 1  # (two autograd threads may race here: the limit is a bound, not exact)
+        dtype = tensor.dtype
+        group = self._groups.get(dtype)
+        if group is None:
+            group = self._groups.setdefault(dtype, [])
+        group.extend((kind, call, order, dtype, tensor.numel(), *extremes(tensor)))
+
+    def flight_step(self, step: int) -> FlightStep | None:
+        """The step's observations with their peaks, for the flight recorder, or None if there
+        were none; starts the next step. A stack per dtype, then one of each op for all of them
+        (no sync)."""
+        groups, self._groups, self._count, self.dropped = self._groups, {}, 0, 0
+        if not groups:
+            return None
+        flat: list = []
+        stacked = []
+        device = None
+        for group in groups.values():
+            lows = group[_LOW::FIELDS]
+            device = device or lows[0].device
+            pairs = [None] * (2 * len(lows))
+            pairs[0::2], pairs[1::2] = lows, group[_HIGH::FIELDS]
+            stacked.append(_stack(pairs, device))
+            group[_LOW::FIELDS] = group[_HIGH::FIELDS] = [None] * len(lows)  # the step does not keep them
+            flat += group
+        # (cat promotes to the widest dtype; the largest magnitude is at one end of a pair)
+        values = stacked[0] if len(stacked) == 1 else torch.cat([v.to(device, non_blocking=True) for v in stacked])
+        peaks = values.to(torch.float32).view(-1, 2).abs().amax(dim=1)
+        return FlightStep(step, flat, peaks, None)
+
+
+def _stack(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``values`` (0-dim) stacked; on ``device`` if they are on several (a model split over
+    devices: ``torch.stack`` refuses them). No sync."""
+    try:
+        return torch.stack(values)
+    except RuntimeError:
+        return torch.stack([v.to(device, non_blocking=True) for v in values])
+
+
+def observations(flat: list) -> list[TapObservation]:
+    """The observations of a flight step's flat list (writer thread; statistics None). Reads
+    no tensor."""
+    facts = [flat[i::FIELDS] for i in range(_LOW)]
+    return [TapObservation(kind, call, order, dtype_name(dtype), numel, None)
+            for kind, call, order, dtype, numel in zip(*facts)]

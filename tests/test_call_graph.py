@@ -1,0 +1,212 @@
+"""The call structure of module taps across steps (ampdoctor/call_graph.py) and what a light step
+costs: the facts of every call are those a fresh set of taps computes, on models whose calls or
+routing change from step to step; a static model makes no new call objects after its first step;
+a light step dispatches two ops per tapped module (their ``aminmax``) and a constant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ampdoctor
+from ampdoctor.demo import TinyGPT
+from ampdoctor.hooks import ModuleTaps
+from models import DeepNet, batches
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from host_cost import OpCounter  # noqa: E402
+
+
+class Recording:
+    """A tap sink that keeps what each observation said about its call."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def observe_tap(self, kind, call, order, tensor) -> None:
+        self.seen.append((kind, order, call))
+
+    def fail(self, exc: BaseException) -> None:
+        raise exc
+
+
+class OddSteps(nn.Module):
+    """An extra tapped module on odd steps (dynamic control flow: the call sequence changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.step = 0
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.step % 2:
+            h = self.extra(h)
+        return self.head(torch.tanh(h))
+
+
+class Routed(nn.Module):
+    """The same calls every step, but which tapped output reaches ``head`` alternates, through
+    untapped code that makes the same autograd nodes either way: only the graph's edges differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.step = 0
+
+    def forward(self, x):
+        ha, hb = self.a(x), self.b(x)
+        chosen = ha if self.step % 2 else hb
+        return self.head(torch.tanh(chosen) * 2) + 0 * ha.sum() + 0 * hb.sum()
+
+
+class Deepening(nn.Module):
+    """1, 2, 3, 1, 2, 3, ... blocks: the module sequence changes every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+        self.step = 0
+
+    def forward(self, x):
+        for block in self.blocks[: self.step % 3 + 1]:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def checkpointed(reentrant: bool):
+    class Checkpointed(DeepNet):
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            return self.head(x)
+
+    return Checkpointed()
+
+
+MODELS = {
+    "static": DeepNet,
+    "odd-steps": OddSteps,
+    "routed": Routed,
+    "deepening": Deepening,
+    "checkpoint": lambda: checkpointed(reentrant=False),
+    "checkpoint-reentrant": lambda: checkpointed(reentrant=True),
+}
+
+
+def facts(seen) -> list:
+    return [(kind, order, c.name, c.call, c.parent, c.inputs) for kind, order, c in seen]
+
+
+def run_steps(model, steps=6):
+    """Per step: the observations of taps kept across steps, and of taps made for that step."""
+    torch.manual_seed(0)
+    kept_sink = Recording()
+    kept = ModuleTaps(model, None, kept_sink)
+    kept.install()
+    out = []
+    for step, (x, y) in enumerate(batches(steps)):
+        model.step = step
+        fresh_sink = Recording()
+        fresh = ModuleTaps(model, None, fresh_sink)  # no step before it: nothing to reuse
+        fresh.install()
+        kept.reset()
+        kept_sink.seen = []
+        x.requires_grad_(True)  # reentrant checkpointing needs an input that requires grad
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        fresh.remove()
+        out.append((kept_sink.seen, fresh_sink.seen))
+    kept.remove()
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_facts_reused_across_steps_are_the_freshly_computed_ones(name):
+    for kept, fresh in run_steps(MODELS[name]()):
+        assert facts(kept) == facts(fresh)
+        assert any(kind == "grad_output" for kind, _, _ in kept)
+
+
+def test_untapped_routing_that_changes_with_the_step_is_followed():
+    """The case a fingerprint of the step's autograd nodes could not tell apart: ``head``'s
+    input comes from ``a`` on odd steps, from ``b`` on even ones."""
+    for step, (kept, _) in enumerate(run_steps(Routed())):
+        calls = {c.name: c for kind, _, c in kept if kind == "output"}
+        source = "a" if step % 2 else "b"
+        assert calls["head"].inputs == (calls[source].call,), step
+
+
+def test_a_static_model_makes_no_new_call_objects_after_its_first_step():
+    """Objects that outlive a step set off Python's garbage collector: the facts of a call and
+    its gradient hook are the previous step's when nothing changed."""
+    steps = run_steps(DeepNet(), steps=4)
+    first = {c.call: c for _, _, c in steps[1][0]}
+    for kept, _ in steps[2:]:
+        assert all(c is first[c.call] for _, _, c in kept)
+    changing = run_steps(Deepening(), steps=4)
+    second = {c.call: c for _, _, c in changing[1][0]}  # 2 blocks; step 2 has 3: head's call differs
+    third = {c.name: c for _, _, c in changing[2][0]}
+    assert third["head"] is not second.get(third["head"].call)
+
+
+def test_gradient_hooks_are_reused_on_a_static_model():
+    model = DeepNet()
+    taps = ModuleTaps(model, None, Recording())
+    taps.install()
+    hooks = []
+    for x, y in batches(3):
+        taps.reset()
+        (model(x) - y).square().mean().backward()
+        hooks.append(dict(taps._hooks))
+    taps.remove()
+    assert hooks[1].keys() == hooks[2].keys() and all(hooks[2][k] is hooks[1][k] for k in hooks[1])
+
+
+def light_step_ops(layers: int, level: str, tmp_path) -> tuple[OpCounter, int]:
+    """The ops one steady (light) step dispatches, and the number of tapped modules."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=16, d=8, layers=layers, heads=2, context=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / f"{level}-{layers}.parquet", level=level,
+                                  every=100)
+    seq = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(1))
+    x, y = seq[:, :-1], seq[:, 1:]
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 16), y.reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # past step 0 (sampled) and the first light step (lazy state)
+        step()
+    with OpCounter() as counter:
+        step()
+    modules = len(scaler.recorder._taps.targets) if scaler.recorder._taps is not None else 0
+    scaler.close()
+    return counter, modules
+
+
+def test_a_light_step_dispatches_two_ops_per_tapped_module_and_a_constant(tmp_path):
+    extra = {}
+    for layers in (1, 3):
+        full, modules = light_step_ops(layers, "full", tmp_path)
+        params, _ = light_step_ops(layers, "params", tmp_path)
+        # Every tapped module here returns one float tensor that requires grad: one aminmax of
+        # it in forward, one of its gradient in backward.
+        assert full.ops["aminmax"] - params.ops["aminmax"] == 2 * modules
+        extra[layers] = (full.total - params.total) - 2 * modules
+    assert extra[1] == extra[3]  # the step-end stacking: the same for any number of modules
+    assert extra[1] <= 8  # a stack per dtype, a cat, abs, amax (and views)
