@@ -44,7 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampdoctor import stats
 
-from overhead import package_provenance  # this script's folder is on sys.path when it is run
+from host_cost import OpCounter  # noqa: E402 - this script's folder is on sys.path when it is run
+from overhead import package_provenance  # noqa: E402
 
 SCALE = 2.0**16          # torch's default initial loss scale
 SUBNORMAL_BELOW = 6.1035e-05  # fp16's smallest normal
@@ -128,20 +129,6 @@ def pipelined_seconds(fn, device: str, one_call: float, seconds: float) -> float
         fn()
     _sync(device)
     return (time.perf_counter() - t) / calls
-
-
-class OpCounter(TorchDispatchMode):
-    """The aten ops dispatched while active (each a kernel launch on a GPU, except views)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-        self.views = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
-        self.views += func.is_view
-        return func(*args, **(kwargs or {}))
 
 
 def count_ops(fn) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):
@@ -136,6 +137,18 @@ class DeepNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def checkpointed(reentrant: bool) -> DeepNet:
+    """A DeepNet whose blocks run under activation checkpointing (reentrant or not)."""
+    class Checkpointed(DeepNet):
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=reentrant)
+            return self.head(x)
+
+    return Checkpointed()
 
 
 class CallAmplifier(nn.Module):

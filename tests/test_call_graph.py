@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
 from ampdoctor.demo import TinyGPT
 from ampdoctor.hooks import ModuleTaps
-from models import DeepNet, batches
+from models import DeepNet, batches, checkpointed
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 from host_cost import OpCounter  # noqa: E402
@@ -78,17 +77,6 @@ class Deepening(nn.Module):
         for block in self.blocks[: self.step % 3 + 1]:
             x = torch.relu(block(x))
         return self.head(x)
-
-
-def checkpointed(reentrant: bool):
-    class Checkpointed(DeepNet):
-        def forward(self, x):
-            x = self.inp(x)
-            for block in self.blocks:
-                x = checkpoint(block, x, use_reentrant=reentrant)
-            return self.head(x)
-
-    return Checkpointed()
 
 
 MODELS = {

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
 from ampdoctor.hooks import ROOT_NAME, select_modules
 from ampdoctor.analysis.origins import find_origins
-from models import MLP, DeepNet, SharedNet, WithHead, batches, fit, mse, set_at
+from models import MLP, DeepNet, SharedNet, WithHead, batches, checkpointed, fit, mse, set_at
 
 QUIET = dict(init_scale=2.0**10)
 
@@ -200,14 +199,7 @@ def test_shared_module_calls_are_numbered_separately(run_path):
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_activation_checkpointing(reentrant, run_path):
-    class Checkpointed(DeepNet):
-        def forward(self, x):
-            x = self.inp(x)
-            for block in self.blocks:
-                x = checkpoint(block, x, use_reentrant=reentrant)
-            return self.head(x)
-
-    _, frame = assert_same_training(Checkpointed, batches(3), run_path)
+    _, frame = assert_same_training(lambda: checkpointed(reentrant), batches(3), run_path)
     step0 = frame[frame.step == 0]
     outputs = step0[step0.kind == "output"]
     # Recomputation in backward does not repeat forward rows.

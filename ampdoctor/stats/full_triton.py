@@ -38,6 +38,7 @@ from pinned memory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Sequence
@@ -47,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-RB, CB = 8, 128      # a block of a program: rows x columns of a tensor's 2-D view, held in registers.
-BLOCK = RB * CB      # 1024 elements: of 1024, 2048 and 4096 the fastest on an H200
+RB, CB = 8, 128      # a block of a program: rows x columns of a tensor's 2-D view, held in registers;
+                     # 1024 elements: of 1024, 2048 and 4096 the fastest on an H200
                      # (benchmarks/results/stats_kernels_h200_2026-11-26.json)
 MIN_TILE = 1 << 14   # elements per tile (one program), unless a call is large
 MAX_TILES = 1 << 13  # tiles a call aims for at most (plus one partial tile per tensor): the
@@ -356,21 +357,9 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
     return counts, amax, amin, sumsq, line_zeros
 
 
-def supports(dtype: torch.dtype) -> bool:
-    """Whether the kernels read tensors of ``dtype``."""
-    return dtype in _TL_DTYPES
-
-
 def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else _Nothing()
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class _Plan:
