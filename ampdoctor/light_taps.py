@@ -10,11 +10,18 @@ objects are what sets off Python's garbage collector (docs/benchmarks.md). Per d
 (autocast mixes them: bf16 linears, fp32 norms). The :class:`~ampdoctor.records.TapObservation`
 of each tensor is made only if its step is written, on the writer thread (:func:`observations`).
 
+A tensor seen twice in a row is reduced once (:class:`Repeat`): a model that returns its head's
+output (the logits, the largest tensor of a language model, forward and backward), a block that
+returns its last child's output, a gradient that an addition hands unchanged to a tapped branch.
+
 The one ``extend`` per tensor is atomic under the GIL: taps on two autograd threads never
 interleave their entries. Nothing here syncs.
 """
 
 from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -27,6 +34,34 @@ FIELDS = 7          # entries per tensor in a flat list: kind, call, order, torc
 _LOW, _HIGH = 5, 6  # the extremes' places; None once the step's peaks are made from them
 
 
+class Repeat:
+    """The statistics of the last tensor the taps saw, for the same tensor seen next: the repeats
+    above come one right after the other (a module returns, then its parent returns the same
+    tensor; two node pre-hooks on one node, or the consumer of an addition run next in
+    backward). Only the last one is kept: no lookup table, nothing that outlives the step but
+    one small tuple. The tensor is recognised by a weak reference and its version counter (an
+    id is reused once a tensor is freed; an in-place op bumps the version); none is held. A
+    race between two autograd threads can only miss a repeat. No sync."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None
+
+    def of(self, tensor: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+        """``compute(tensor)``, or what it returned for this tensor, unchanged, just before."""
+        last = self._last
+        if last is not None and last[0]() is tensor and last[1] == tensor._version:
+            return last[2]
+        value = compute(tensor)
+        self._last = (weakref.ref(tensor), tensor._version, value)
+        return value
+
+    def clear(self) -> None:
+        """Forget the last tensor (a new step). No sync."""
+        self._last = None
+
+
 class LightTaps:
     """The light observations of the step in progress."""
 
@@ -34,10 +69,11 @@ class LightTaps:
         self._limit = limit  # tensors kept per step; more are counted in ``dropped``
         self._groups: dict[torch.dtype, list] = {}  # dtype -> flat list (FIELDS entries per tensor)
         self._count = 0
+        self._repeat = Repeat()
         self.dropped = 0
 
     def add(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
-        """Keep ``tensor``'s extremes (one ``aminmax``) and facts. No sync."""
+        """Keep ``tensor``'s extremes (one ``aminmax``, none for a repeat) and facts. No sync."""
         if self._count >= self._limit:
             self.dropped += 1
             return
@@ -46,13 +82,14 @@ class LightTaps:
         group = self._groups.get(dtype)
         if group is None:
             group = self._groups.setdefault(dtype, [])
-        group.extend((kind, call, order, dtype, tensor.numel(), *extremes(tensor)))
+        group.extend((kind, call, order, dtype, tensor.numel(), *self._repeat.of(tensor, extremes)))
 
     def flight_step(self, step: int) -> FlightStep | None:
         """The step's observations with their peaks, for the flight recorder, or None if there
         were none; starts the next step. A stack per dtype, then one of each op for all of them
         (no sync)."""
         groups, self._groups, self._count, self.dropped = self._groups, {}, 0, 0
+        self._repeat.clear()
         if not groups:
             return None
         flat: list = []

@@ -34,7 +34,7 @@ from .anomalies import AnomalyWatch
 from .errors import RecorderError
 from .formats import dtype_name, float_format
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
-from .light_taps import LightTaps
+from .light_taps import LightTaps, Repeat
 from .live_status import LiveStatus
 from .options import RecordOptions, default_path
 from .parameters import ParameterIndex
@@ -100,6 +100,7 @@ class Recorder:
         self._taps: ModuleTaps | None = None
         self._module_stats: str | None = None   # what module taps record in the step in progress (plan.py)
         self._tap_obs: list[TapObservation] = []   # full module statistics of the step in progress
+        self._tap_repeat = Repeat()                 # a tensor seen twice in a row: its statistics once
         self._light_taps = LightTaps(MAX_TAP_ROWS_PER_STEP)  # light ones (the flight recorder's)
         self._dropped_taps = 0
         self._warned_dropped = False
@@ -264,9 +265,10 @@ class Recorder:
             self._dropped_taps += 1
             return
         inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
-        stats = full_stats([tensor], inv_scale=inv, subnormal_below=float_format(tensor.dtype).smallest_normal,
-                           hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins,
-                           layouts=self._layouts, lines="features")
+        stats = self._tap_repeat.of(tensor, lambda t: full_stats(
+            [t], inv_scale=inv, subnormal_below=float_format(t.dtype).smallest_normal,
+            hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins, layouts=self._layouts,
+            lines="features"))
         self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype), tensor.numel(), stats))
 
     def _inv_scale(self, device: torch.device) -> torch.Tensor | None:
@@ -403,6 +405,7 @@ class Recorder:
             self.fail(self.writer.error)
             return
         taps, self._tap_obs = self._tap_obs, []
+        self._tap_repeat.clear()
         module_stats = self._module_stats
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._plan.per_tensor(self.step),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,

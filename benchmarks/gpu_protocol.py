@@ -326,7 +326,7 @@ def print_summary(report: dict) -> None:
             r = part["result"]
             rows = [f"{name} {_gbps(a['gbps'])}" + (f" ({a['share_of_peak']:.1%} of peak)" if a["share_of_peak"] else "")
                     + (" (warned, see the JSON)" if a.get("warnings") else "")
-                    if a["status"] == "ok" else f"{name} unavailable" for name, a in r["algorithms"].items()]
+                    if a["status"] == "ok" else f"{name} {a['status']}" for name, a in r["algorithms"].items()]
             print(f"\n[{label}stats] {r['elements'] / 1e6:.1f} M elements, peak {_gbps(r['reference_gbps'])} "
                   f"({r['peak_source']}), copy {_gbps(r['copy']['gbps'])}: " + "; ".join(rows))
     print()

@@ -14,7 +14,9 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.demo import TinyGPT
+from ampdoctor.call_graph import ModuleCall
 from ampdoctor.hooks import ModuleTaps
+from ampdoctor.light_taps import LightTaps, observations
 from models import DeepNet, batches, checkpointed
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -188,13 +190,43 @@ def light_step_ops(layers: int, level: str, tmp_path) -> tuple[OpCounter, int]:
 
 
 def test_a_light_step_dispatches_two_ops_per_tapped_module_and_a_constant(tmp_path):
+    # The model returns its head's output itself: one tensor seen twice in forward (the head's
+    # and the model's output) and one gradient seen twice in backward, each reduced once.
+    model = TinyGPT(vocab=16, d=8, layers=1, heads=2, context=4)
+    seen = []
+    model.head.register_forward_hook(lambda m, a, out: seen.append(out))
+    assert model(torch.zeros(1, 4, dtype=torch.long)) is seen[0]
     extra = {}
     for layers in (1, 3):
         full, modules = light_step_ops(layers, "full", tmp_path)
         params, _ = light_step_ops(layers, "params", tmp_path)
         # Every tapped module here returns one float tensor that requires grad: one aminmax of
-        # it in forward, one of its gradient in backward.
-        assert full.ops["aminmax"] - params.ops["aminmax"] == 2 * modules
+        # it in forward, one of its gradient in backward; none for the two repeats.
+        assert full.ops["aminmax"] - params.ops["aminmax"] == 2 * modules - 2
         extra[layers] = (full.total - params.total) - 2 * modules
     assert extra[1] == extra[3]  # the step-end stacking: the same for any number of modules
     assert extra[1] <= 8  # a stack per dtype, a cat, abs, amax (and views)
+
+
+def test_a_tensor_seen_again_at_once_is_reduced_once_unless_it_changed():
+    """LightTaps: the same tensor twice in a row costs one aminmax and gets two rows with its
+    peak; after an in-place change, or another tensor in between, it is reduced again."""
+    taps = LightTaps(limit=100)
+    call = ModuleCall("m", 0, None, (), 0)
+    t = torch.tensor([1.0, -3.0, 2.0])
+    other = torch.tensor([5.0])
+    with OpCounter() as counter:
+        taps.add("output", call, 0, t)
+        taps.add("output", call, 1, t)      # a repeat: no op
+        t.mul_(2)                           # changed in place: its version moved
+        taps.add("output", call, 2, t)
+        taps.add("output", call, 3, other)
+        taps.add("output", call, 4, t)      # not the last one seen: reduced again
+    assert counter.ops["aminmax"] == 4
+    step = taps.flight_step(0)
+    assert step.peaks.tolist() == [3.0, 3.0, 6.0, 5.0, 6.0]
+    assert [o.order for o in observations(step.taps)] == [0, 1, 2, 3, 4]
+    # A freed tensor's id may be reused: the weak reference tells the new tensor apart.
+    taps.add("output", call, 0, torch.tensor([7.0]))
+    taps.add("output", call, 1, torch.tensor([-8.0]))
+    assert taps.flight_step(1).peaks.tolist() == [7.0, 8.0]

@@ -23,7 +23,9 @@ import gpu_protocol  # noqa: E402
 import overhead  # noqa: E402
 
 SMOKE = ["--device", "cpu", "--sizes", "tiny", "--steps", "2", "--sampled-steps", "1", "--module-steps", "1",
-         "--after", "1", "--baseline-steps", "2", "--warmup", "1", "--tests", "tests/test_cuda.py"]
+         "--after", "1", "--baseline-steps", "2", "--warmup", "1", "--tests", "tests/test_cuda.py",
+         # Triton's interpreter takes seconds per call (conftest sets it): a small set, a short budget
+         "--stats-elements", "20000", "--stats-seconds", "0.5"]
 
 
 def _protocol(tmp_path, *extra, expect_rc=0) -> dict:

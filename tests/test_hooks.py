@@ -115,6 +115,33 @@ def test_rows_carry_order_call_parent_inputs(run_path):
     assert (step0.numel > 0).all() and step0["hist"].notna().all()
 
 
+def test_a_tensor_two_modules_return_is_reduced_once_with_the_same_rows(tmp_path, monkeypatch):
+    """A tensor seen twice in a row (DeepNet returns its head's output; a block returns its
+    last child's) gets one full_stats call, and every row is what it is when each tensor is
+    reduced anew."""
+    from ampdoctor import light_taps, recorder
+
+    frames, calls = [], []
+    real = recorder.full_stats
+    monkeypatch.setattr(recorder, "full_stats", lambda tensors, **kw: calls.append(kw.get("lines")) or real(tensors, **kw))
+    for reuse in (True, False):
+        if not reuse:
+            monkeypatch.setattr(light_taps.Repeat, "of", lambda self, tensor, compute: compute(tensor))
+        calls.clear()
+        torch.manual_seed(0)
+        frame = record(DeepNet(), tmp_path / f"{reuse}.parquet", batches(1))
+        frames.append((frame[frame.kind.isin(["output", "grad_output"])].sort_values(["kind", "order"])
+                       .reset_index(drop=True), calls.count("features")))
+    (reused, n_reused), (anew, n_anew) = frames
+    assert n_anew == len(anew) and n_reused <= n_anew - 2  # the model's output and its gradient at least
+    stats = ["name", "numel", "amax", "amin", "n_zero", "n_nan", "n_inf", "l2"]
+    assert reused[stats].equals(anew[stats])
+    assert all(list(a) == list(b) for a, b in zip(reused["hist"], anew["hist"]))
+    for kind in ("output", "grad_output"):
+        rows = reused[reused.kind == kind].set_index("name")
+        assert rows.loc[ROOT_NAME, stats[1:]].tolist() == rows.loc["head", stats[1:]].tolist()
+
+
 def pd_isnull(value):
     return value is None or (isinstance(value, float) and np.isnan(value))
 

@@ -71,6 +71,44 @@ def test_zero_lines_and_histogram_geometries_equal_the_host_algorithm(lines, geo
     _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{lines} {geometry} {per_tensor}")
 
 
+@pytest.mark.parametrize("lines", ["rows", "features"])
+def test_zero_lines_across_tiles_with_and_without_zeros(lines, monkeypatch):
+    """A tile without a zero marks all its lines without reading them again; a tile with zeros
+    marks them block by block. Tensors of several tiles: a zero row inside one tile, a column
+    zero in one tile's rows only (not a zero line: other tiles, with no zero, mark it), a true
+    zero column through every tile, and a dense tensor."""
+    from ampdoctor.stats import full_triton
+
+    monkeypatch.setattr(full_triton, "MIN_TILE", 1024)  # 24 rows of 40 a tile: several tiles per tensor
+    full_triton._plan.cache_clear()
+    gen = torch.Generator().manual_seed(3)
+    zero_row = torch.randn(70, 40, generator=gen)
+    zero_row[30] = 0
+    partly_zero_column = torch.randn(70, 40, generator=gen)
+    partly_zero_column[:20, 7] = 0
+    zero_column = torch.randn(70, 40, generator=gen)
+    zero_column[:, 11] = 0
+    dense = torch.randn(70, 2, 20, generator=gen)
+    tensors = [zero_row, partly_zero_column, zero_column, dense]
+    try:
+        for per_tensor in (True, False):
+            kw = dict(inv_scale=None, subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor, lines=lines)
+            expected = full_stats(tensors, algorithm="host", **kw).decode()
+            got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton", **kw)
+            plan = full_triton._plan(tuple(t.shape for t in tensors), per_tensor, lines)
+            assert plan.n_tiles >= 4 * 3, plan.n_tiles
+            decoded = got.to_host(lambda t: t.cpu()).decode()
+            _assert_same(decoded, expected, f"{lines} {per_tensor}")
+            if per_tensor:  # the truth, counted here: rows x columns of each tensor's 2-D view
+                views = [t.reshape(t.shape[0], -1) if lines == "rows" else t.reshape(-1, t.shape[-1])
+                         for t in tensors]
+                truth = [int(((v == 0).all(1)[:, None] | (v == 0).all(0)[None, :]).sum()) for v in views]
+                assert truth[:3] == [40, 0, 70]
+                np.testing.assert_array_equal(decoded.n_zero_lines, truth)
+    finally:
+        full_triton._plan.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_dtype_and_no_scale(dtype):
     gen = torch.Generator().manual_seed(2)

@@ -18,8 +18,12 @@ tensor itself). Kernel 1 (:func:`_tile_kernel`) writes each tile's partial resul
 of the unscaled magnitudes over the run's histogram bins (binades below the first bin and zeros in
 bin 0, those above the last in the last), the zeros, the elements below the subnormal threshold,
 the non-finite elements and the quiet NaNs among them, the largest finite magnitude, the smallest
-nonzero one (as bits) and the sum of squares in float64; and, once per block, it marks each row
-and column that holds a nonzero element (a plain store of 1: a benign race). Kernel 2
+nonzero one (as bits) and the sum of squares in float64; then it marks each row and column of the
+tile that holds a nonzero element (plain stores of 1: a benign race). A tile without a zero, the
+usual gradient tile, marks all its lines at once; only a tile holding zeros reads its blocks a
+second time (from cache) to find them. (Marks made in the one pass per element doubled the
+kernel's time on an H200, benchmarks/results/stats_kernels_h200_2026-11-26.json; per block they
+cost two cross-warp reductions a block.) Kernel 2
 (:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order, fills the
 slot's row of ``FullStats.counts`` (each histogram bin's count under the code of a binade in that
 bin, the first, which :meth:`~.full.FullStats.decode` maps back to the same bin; the inf and NaN
@@ -72,13 +76,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 @triton.jit
-def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, marks_on, row_marks, col_marks,
-           hist, zeros, below, nonfinite, nans, top, low, squares,
-           HAS_SCALE: tl.constexpr, FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr,
-           RB: tl.constexpr, CB: tl.constexpr, BF16: tl.constexpr):
-    """Block ``b`` of a tile (``RB`` rows x ``CB`` columns of its 2-D view) added to the tile's
-    accumulators (per lane, but ``hist``). Lanes outside the tile read 0: they count as zeros,
-    subnormal and in bin 0, and are taken off once at the end (no mask per statistic)."""
+def _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB: tl.constexpr, CB: tl.constexpr,
+                BF16: tl.constexpr):
+    """Block ``b`` of a tile: its rows, its columns and the magnitudes of its elements in float32
+    (0 outside the tile)."""
     rb = b // col_blocks
     rows = rb * RB + rr
     cols = (b - rb * col_blocks) * CB + cc
@@ -90,6 +91,62 @@ def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, 
         scaled = tl.abs((raw << 16).to(tl.float32, bitcast=True))
     else:
         scaled = tl.abs(tl.load(data + linear, mask=inside, other=0.0).to(tl.float32))
+    return rows, cols, scaled
+
+
+@triton.jit
+def _mark_lines(data, blocks, col_blocks, n_rows, n_cols, length, rr, cc, any_zero, row_marks, col_marks,
+                RB: tl.constexpr, CB: tl.constexpr, BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """Mark each row and column of a tile that holds a nonzero element (NaN too, as in
+    zero_line_elements). A tile without a zero (the usual gradient) marks all its lines at once,
+    without looking at its elements again; only a tile holding zeros is read a second time
+    (from cache: it was just read), block by block. Every store writes 1: their order, and
+    the tiles that share a column, do not matter."""
+    if any_zero == 0:
+        if FOR_LOOP:
+            for start in range(0, n_rows, RB * CB):
+                at = start + rr[:, None] * CB + cc[None, :]
+                tl.store(row_marks + at, 1, mask=at < n_rows)
+            for start in range(0, n_cols, RB * CB):
+                at = start + rr[:, None] * CB + cc[None, :]
+                tl.store(col_marks + at, 1, mask=at < n_cols)
+        else:
+            start = n_rows * 0
+            while start < n_rows:
+                at = start + rr[:, None] * CB + cc[None, :]
+                tl.store(row_marks + at, 1, mask=at < n_rows)
+                start += RB * CB
+            start = n_cols * 0
+            while start < n_cols:
+                at = start + rr[:, None] * CB + cc[None, :]
+                tl.store(col_marks + at, 1, mask=at < n_cols)
+                start += RB * CB
+    else:
+        if FOR_LOOP:
+            for b in range(0, blocks):
+                rows, cols, scaled = _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
+                nonzero = (scaled != 0.0).to(tl.int32)
+                tl.store(row_marks + rows, 1, mask=tl.max(nonzero, axis=1) > 0)
+                tl.store(col_marks + cols, 1, mask=tl.max(nonzero, axis=0) > 0)
+        else:
+            b = blocks * 0
+            while b < blocks:
+                rows, cols, scaled = _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
+                nonzero = (scaled != 0.0).to(tl.int32)
+                tl.store(row_marks + rows, 1, mask=tl.max(nonzero, axis=1) > 0)
+                tl.store(col_marks + cols, 1, mask=tl.max(nonzero, axis=0) > 0)
+                b += 1
+
+
+@triton.jit
+def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold,
+           hist, zeros, below, nonfinite, nans, top, low, squares,
+           HAS_SCALE: tl.constexpr, FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr,
+           RB: tl.constexpr, CB: tl.constexpr, BF16: tl.constexpr):
+    """Block ``b`` of a tile (``RB`` rows x ``CB`` columns of its 2-D view) added to the tile's
+    accumulators (per lane, but ``hist``). Lanes outside the tile read 0: they count as zeros,
+    subnormal and in bin 0, and are taken off once at the end (no mask per statistic)."""
+    rows, cols, scaled = _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
     zeros += (scaled == 0.0).to(tl.int32)
     below += (scaled < threshold).to(tl.int32)  # zeros too: taken off at the end
     if HAS_SCALE:
@@ -112,12 +169,6 @@ def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, 
     low = tl.minimum(low, (bits - 1) & _ABS_MASK)
     wide = finite.to(tl.float64)
     squares += wide * wide
-    if marks_on:
-        # A line holding a nonzero element (NaN too, as in zero_line_elements) is marked, once
-        # per block; every store writes 1, so their order does not matter.
-        nonzero = (scaled != 0.0).to(tl.int32)
-        tl.store(row_marks + rows, 1, mask=tl.max(nonzero, axis=1) > 0)
-        tl.store(col_marks + cols, 1, mask=tl.max(nonzero, axis=0) > 0)
     return hist, zeros, below, nonfinite, nans, top, low, squares
 
 
@@ -164,19 +215,22 @@ def _tile_kernel(tiles, addresses, single, inv_scale, hist_out, extra_out, amax_
     if FOR_LOOP:  # compiled: a for loop over a loaded bound is software-pipelined
         for b in range(0, blocks):
             hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, marks_on, row_marks, col_marks,
+                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold,
                 hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, RB, CB,
                 BF16)
     else:  # Triton's interpreter cannot take a loaded loop bound in range() under numpy 2
         b = blocks * 0
         while b < blocks:
             hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold, marks_on, row_marks, col_marks,
+                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold,
                 hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, RB, CB,
                 BF16)
             b += 1
     padding = (blocks * (RB * CB) - length).to(tl.int32)
     n_zero = tl.sum(tl.sum(zeros, axis=1), axis=0)
+    if marks_on:
+        _mark_lines(data, blocks, col_blocks, n_rows, n_cols, length, rr, cc, n_zero - padding, row_marks, col_marks,
+                    RB, CB, BF16, FOR_LOOP)
     n_nonfinite = tl.sum(tl.sum(nonfinite, axis=1), axis=0)
     bins = tl.arange(0, NBINS)
     hist -= tl.where(bins == 0, padding, 0) + tl.where(bins == LAST_BIN, n_nonfinite, 0)
