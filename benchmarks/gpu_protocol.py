@@ -24,6 +24,9 @@ one part, recorded in the JSON, not the others' results), in this order:
   recorded beside the current results with that tree's commit. Not checked; an error there (an import
   error, an API the script needs and the tree lacks) is an errored part.
 - stats: the bandwidth micro-benchmark (100 M float32 gradient elements on CUDA).
+- profile: where a steady step's time goes on the first size, host or device, for plain, params and
+  full (``benchmarks/step_profile.py``: wall, host CPU and kernel time per step, the top kernels).
+  Not checked: it says what to change when a check fails.
 - overhead group "baselines" (plain, hf-debug, detect-anomaly; ``--baseline-steps`` each): several
   times slower than plain with many syncs, so shown, not measured to the percent; last, since no
   check needs it.
@@ -176,6 +179,11 @@ def stats_args(args) -> list[str]:
     return ["--device", args.device, "--elements", str(elements), "--seconds", str(args.stats_seconds)]
 
 
+def profile_args(args) -> list[str]:
+    steps = ["--steps", "2", "--warmup", "1", "--profile-steps", "1"] if args.device != "cuda" else []
+    return ["--device", args.device, "--size", args.sizes[0], *steps]
+
+
 def _tail(proc: subprocess.CompletedProcess, lines: int = 15) -> str:
     return "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-lines:])
 
@@ -300,7 +308,7 @@ def write(report: dict, path: Path) -> None:
 
 
 def _parts(parts: dict) -> list[dict]:
-    return [parts[k] for k in ("tests", "stats") if k in parts] + [
+    return [parts[k] for k in ("tests", "stats", "profile") if k in parts] + [
         p for groups in parts.get("overhead", {}).values() for p in groups.values()]
 
 
@@ -329,6 +337,11 @@ def print_summary(report: dict) -> None:
                     if a["status"] == "ok" else f"{name} {a['status']}" for name, a in r["algorithms"].items()]
             print(f"\n[{label}stats] {r['elements'] / 1e6:.1f} M elements, peak {_gbps(r['reference_gbps'])} "
                   f"({r['peak_source']}), copy {_gbps(r['copy']['gbps'])}: " + "; ".join(rows))
+    part = report["parts"].get("profile")
+    if part and part["status"] == "ok":
+        print()
+        from step_profile import print_rows
+        print_rows(part["result"])
     print()
     for c in report["checks"]:
         print(f"{c['status'].upper():<5} {c['name']}: {c['detail']}")
@@ -370,8 +383,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a smoke run of the protocol (the CUDA tests skip, no checks apply)")
-    parser.add_argument("--parts", type=lambda s: s.split(","), default=["tests", "overhead", "stats"],
-                        help="comma-separated: tests, overhead, stats (default all)")
+    parser.add_argument("--parts", type=lambda s: s.split(","), default=["tests", "overhead", "stats", "profile"],
+                        help="comma-separated: tests, overhead, stats, profile (default all)")
     parser.add_argument("--sizes", type=lambda s: s.split(","), default=None,
                         help=f"comma-separated of {', '.join(SIZES)}; the step bounds are checked on the first "
                              "(default: gpt2 on cuda, tiny on cpu)")
@@ -404,7 +417,7 @@ def main() -> int:
         sys.exit(f"gpu_protocol: no CUDA GPU available (torch {torch.__version__}); "
                  "--device cpu runs a smoke test of the protocol instead")
     args.sizes = args.sizes or (["gpt2"] if args.device == "cuda" else ["tiny"])
-    if unknown := (set(args.sizes) - set(SIZES) or set(args.parts) - {"tests", "overhead", "stats"}
+    if unknown := (set(args.sizes) - set(SIZES) or set(args.parts) - {"tests", "overhead", "stats", "profile"}
                    or set(args.baseline_parts) - {"overhead", "stats"}):
         parser.error(f"unknown: {', '.join(sorted(unknown))}")
     if args.baseline_tree is not None:
@@ -470,6 +483,9 @@ def jobs(args, budget: Budget, tmp: Path, report: dict):
         if base is not None and "stats" in args.baseline_parts:
             yield ("baseline tree: stats", into(base, "stats"), run_script,
                    ("stats_bandwidth.py", stats_args(args), args.baseline_tree, budget, tmp, "base_stats"))
+    if "profile" in args.parts:
+        yield "profile", into(current, "profile"), run_script, ("step_profile.py", profile_args(args), ROOT, budget, tmp,
+                                                                "profile")
     for size in args.sizes if "overhead" in args.parts else ():
         yield (f"overhead {size} baselines", into(current, "overhead", size, "baselines"), run_script,
                ("overhead.py", overhead_args(args, size, "baselines"), ROOT, budget, tmp, f"overhead_{size}_baselines"))

@@ -21,6 +21,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import gpu_protocol  # noqa: E402
 import overhead  # noqa: E402
+import step_profile  # noqa: E402
 
 SMOKE = ["--device", "cpu", "--sizes", "tiny", "--steps", "2", "--sampled-steps", "1", "--module-steps", "1",
          "--after", "1", "--baseline-steps", "2", "--warmup", "1", "--tests", "tests/test_cuda.py",
@@ -53,6 +54,10 @@ def test_cpu_smoke_run(tmp_path):
     assert rows["ampdoctor:params"]["sampled_n"] == 2 and "module_sampled_n" not in rows["ampdoctor:params"]
     stats = report["parts"]["stats"]["result"]
     assert stats["algorithms"][stats["default_algorithm"]]["gbps"] > 0
+    profile = report["parts"]["profile"]["result"]
+    assert [r["variant"] for r in profile["rows"]] == step_profile.VARIANTS
+    for r in profile["rows"]:
+        assert r["wall_ms"] > 0 and r["host_ms"] > 0 and r["ops"] > 0 and r.get("steady_only", True)
     base = report["baseline_tree"]
     assert base["path"] == str(ROOT) and base["package_digest"] == report["package_digest"] and base["git_commit"]
     assert base["parts"]["overhead"]["tiny"]["ampdoctor"]["status"] == "ok" and base["parts"]["stats"]["status"] == "ok"
@@ -223,3 +228,23 @@ def test_no_gpu_is_one_line():
     proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in proc.stderr
+
+
+def test_busy_time_is_the_union_of_the_kernels_intervals():
+    assert step_profile.busy_union([]) == 0
+    assert step_profile.busy_union([(0, 2), (1, 3), (5, 6), (5.5, 5.7), (10, 10)]) == 4
+    assert step_profile.busy_union([(3, 4), (0, 10)]) == 10
+
+
+def test_a_full_steady_step_costs_more_ops_than_params_and_every_step_is_steady(tmp_path):
+    """step_profile on the CPU: the steps it times are steady ones (the sampled step is kept out),
+    and full's taps add ops per module over params (two aminmax per tapped module)."""
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "step_profile.py"), "--device", "cpu", "--size", "tiny",
+                           "--steps", "3", "--warmup", "1", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ampdoctor:params"]["steady_only"] and rows["ampdoctor:full"]["steady_only"]
+    assert rows["ampdoctor:full"]["ops"] > rows["ampdoctor:params"]["ops"] > rows["plain"]["ops"]
+    assert "per steady step" in proc.stdout

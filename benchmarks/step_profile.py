@@ -1,0 +1,158 @@
+"""Where a steady step's time goes, per variant: host or device. For each of plain, ampdoctor at
+``params`` and at ``full`` (``benchmarks/overhead.py``'s model, optimizer and step), on steady steps
+(no full statistics: the scaler's step is moved past the sampled ones, as overhead.py does):
+
+* ``wall_ms``: a step's wall time, steps back to back (one sync at the end of all of them, besides
+  the scaler's own each step);
+* ``host_ms``: the training thread's CPU time per step over the same steps (``time.thread_time``):
+  when it comes near ``wall_ms``, the step is host-bound and the device waits for launches;
+* on CUDA, from ``torch.profiler`` over a few more steps: ``kernel_ms`` (the sum of the kernels'
+  durations per step), ``busy_ms`` (the time at least one kernel ran: the union of their
+  intervals), ``kernels`` per step, and the ``top`` kernels by time; ``idle_ms = wall - busy`` is
+  what the device spent waiting (for the host, or for the sync);
+* on any device, the torch ops dispatched per step (a ``TorchDispatchMode``, views apart).
+
+It answers what overhead.py's ratios cannot: whether ``full``'s extra time is the module hooks'
+host work (``host_ms`` and ``idle_ms`` grow) or the device's reductions (``busy_ms`` grows), and
+which kernels. Only ampdoctor's public API is used, as in overhead.py.
+
+    python benchmarks/step_profile.py --device cuda --size gpt2      # ~30 s on an H100
+    python benchmarks/step_profile.py --device cpu --size tiny       # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import ampdoctor
+from host_cost import OpCounter  # this script's folder is on sys.path when it is run
+from overhead import _device_name, _sync, batches, make_variants, package_provenance, train_step
+
+VARIANTS = ["plain", "ampdoctor:params", "ampdoctor:full"]
+TOP = 12  # kernels listed per variant
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals: the time at least one ran."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def device_profile(step, steps: int) -> dict:
+    """CUDA: the kernels of ``steps`` calls of ``step()`` (per step), by ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e.name].append(e.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP]
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    return {"kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps,
+            "busy_ms": busy_union(intervals) / 1e3 / steps, "kernels": len(kernels) / steps,
+            "top": [{"name": name[:120], "calls": len(times) / steps, "ms": sum(times) / 1e3 / steps}
+                    for name, times in top]}
+
+
+def measure(args) -> dict:
+    device = args.device
+    dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        variants = make_variants(args.variants, args.size, device, Path(tmp))
+        data = list(batches(args.size, device, 4))
+        for v in variants:
+            i = 0
+
+            def step(v=v):
+                nonlocal i
+                train_step(v, data[i % len(data)], dtype, device)
+                i += 1
+
+            for _ in range(args.warmup):
+                step()
+            if v.cadence is not None:
+                # A sampled step, untimed: the every - 1 steps after it are steady (module_every is
+                # a multiple of every). Moving the step number syncs: here, not between timed steps.
+                v.move_to("sampled")
+                step()
+            _sync(device)
+            wall, host = time.perf_counter(), time.thread_time()
+            for _ in range(args.steps):
+                step()
+            _sync(device)
+            wall, host = (time.perf_counter() - wall) / args.steps, (time.thread_time() - host) / args.steps
+            row = {"variant": v.name, "wall_ms": wall * 1e3, "host_ms": host * 1e3}
+            with OpCounter() as counter:
+                step()
+            row.update(ops=counter.launches, views=counter.views)
+            if device == "cuda":
+                row.update(device_profile(step, args.profile_steps))
+                row["idle_ms"] = row["wall_ms"] - row["busy_ms"]
+            if v.cadence is not None:
+                measured = range(v.step - args.steps - 1 - (args.profile_steps if device == "cuda" else 0), v.step)
+                row["steady_only"] = {v.cadence.kind(n) for n in measured} == {"steady"}
+                v.scaler.close()
+            rows.append(row)
+            del v.model, v.optimizer
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return {"benchmark": "step_profile", "device": _device_name(device), "device_type": device,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            **package_provenance(), "size": args.size, "steps": args.steps, "profile_steps": args.profile_steps,
+            "rows": rows}
+
+
+def print_rows(result: dict) -> None:
+    print(f"{result['device']}, size {result['size']}: per steady step")
+    print(f"  {'variant':<18} {'wall ms':>8} {'host ms':>8} {'ops':>6} {'busy ms':>8} {'idle ms':>8} {'kernels':>8}")
+    for r in result["rows"]:
+        dev = (f"{r['busy_ms']:>8.2f} {r['idle_ms']:>8.2f} {r['kernels']:>8.0f}" if "busy_ms" in r else "")
+        print(f"  {r['variant']:<18} {r['wall_ms']:>8.2f} {r['host_ms']:>8.2f} {r['ops']:>6} {dev}")
+    for r in result["rows"]:
+        for k in r.get("top", [])[:6]:
+            print(f"    {r['variant']:<16} {k['ms']:7.2f} ms {k['calls']:6.0f}x  {k['name'][:70]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", default="gpt2")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=VARIANTS)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steady steps per variant")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per variant (CUDA)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    result = measure(args)
+    result["ampdoctor_file"] = ampdoctor.__file__
+    print_rows(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
