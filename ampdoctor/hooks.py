@@ -29,7 +29,10 @@ pre-hooks capture only the call's facts. ``remove()`` removes every module hook 
 pre-hooks still attached to live nodes into no-ops.
 
 Under ``torch.compile`` the hooks return at once (``torch.compiler.is_compiling()``), so dynamo
-traces them as no-ops and the compiled graph is what it would be without them.
+traces them as no-ops and the compiled graph is what it would be without them. Under
+``torch.inference_mode()`` they return at once too: inference tensors have no version counter,
+which the call structure and the repeat check read, and such a pass has no gradients to explain
+(a validation pass under ``no_grad`` gets its forward rows).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ ModuleFilter = Union[None, str, "re.Pattern[str]", type, Iterable[Union[str, "re
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _get_ident = threading.get_ident
 _is_compiling = torch.compiler.is_compiling
+_is_inference = torch.is_inference_mode_enabled
 
 
 class TapSink(Protocol):
@@ -244,7 +248,7 @@ class ModuleTaps:
     # own call stack.
 
     def _before_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if _is_compiling() or not self._on:
+        if _is_compiling() or not self._on or _is_inference():
             return None
         try:
             stack = self._stacks.get(_get_ident())
@@ -256,7 +260,7 @@ class ModuleTaps:
         return None
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if _is_compiling() or not self._on:
+        if _is_compiling() or not self._on or _is_inference():
             return None
         try:
             stack = self._stacks.get(_get_ident())

@@ -41,7 +41,9 @@ class Repeat:
     backward). Only the last one is kept: no lookup table, nothing that outlives the step but
     one small tuple. The tensor is recognised by a weak reference and its version counter (an
     id is reused once a tensor is freed; an in-place op bumps the version); none is held. A
-    race between two autograd threads can only miss a repeat. No sync."""
+    race between two autograd threads can only miss a repeat. Limit: a write that does not move
+    the version counter (through ``.data``, a numpy view, a kernel writing by ``data_ptr``)
+    between the two observations goes unseen, as it does for autograd. No sync."""
 
     __slots__ = ("_last",)
 

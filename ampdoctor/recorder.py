@@ -100,7 +100,8 @@ class Recorder:
         self._taps: ModuleTaps | None = None
         self._module_stats: str | None = None   # what module taps record in the step in progress (plan.py)
         self._tap_obs: list[TapObservation] = []   # full module statistics of the step in progress
-        self._tap_repeat = Repeat()                 # a tensor seen twice in a row: its statistics once
+        # A tensor seen twice in a row gets its statistics once (per kind: only gradients are unscaled)
+        self._tap_repeats = {"output": Repeat(), "grad_output": Repeat()}
         self._light_taps = LightTaps(MAX_TAP_ROWS_PER_STEP)  # light ones (the flight recorder's)
         self._dropped_taps = 0
         self._warned_dropped = False
@@ -265,7 +266,7 @@ class Recorder:
             self._dropped_taps += 1
             return
         inv = self._inv_scale(tensor.device) if kind == "grad_output" else None
-        stats = self._tap_repeat.of(tensor, lambda t: full_stats(
+        stats = self._tap_repeats[kind].of(tensor, lambda t: full_stats(
             [t], inv_scale=inv, subnormal_below=float_format(t.dtype).smallest_normal,
             hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins, layouts=self._layouts,
             lines="features"))
@@ -405,7 +406,8 @@ class Recorder:
             self.fail(self.writer.error)
             return
         taps, self._tap_obs = self._tap_obs, []
-        self._tap_repeat.clear()
+        for repeat in self._tap_repeats.values():
+            repeat.clear()
         module_stats = self._module_stats
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._plan.per_tensor(self.step),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,

@@ -1,11 +1,15 @@
 """Where a steady step's time goes, per variant: host or device. For each of plain, ampdoctor at
 ``params`` and at ``full`` (``benchmarks/overhead.py``'s model, optimizer and step), on steady steps
-(no full statistics: the scaler's step is moved past the sampled ones, as overhead.py does):
+(no full statistics: the scaler's step is moved just past a sampled one, as overhead.py does, and a
+few steps are left for the writer's work; ``steady_only`` is false if the loss scale moved, since a
+skipped step escalates the next ones), every variant timed before any is profiled:
 
 * ``wall_ms``: a step's wall time, steps back to back (one sync at the end of all of them, besides
   the scaler's own each step);
 * ``host_ms``: the training thread's CPU time per step over the same steps (``time.thread_time``):
-  when it comes near ``wall_ms``, the step is host-bound and the device waits for launches;
+  when it comes near ``wall_ms``, the step is host-bound and the device waits for launches. On CUDA
+  autograd runs backward, gradient hooks included, on a device thread of its own: ``process_ms``
+  (``time.process_time``, every thread, the writer's too) counts it;
 * on CUDA, from ``torch.profiler`` over a few more steps: ``kernel_ms`` (the sum of the kernels'
   durations per step), ``busy_ms`` (the time at least one kernel ran: the union of their
   intervals), ``kernels`` per step, and the ``top`` kernels by time; ``idle_ms = wall - busy`` is
@@ -54,6 +58,14 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def kernel_events(events) -> list:
+    """The kernels among a profile's events: on the device, not a copy or a memset, and not a
+    user annotation (an ``Optimizer.step`` range has a device-side span too, which torch's own
+    totals leave out)."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset")) and not getattr(e, "is_user_annotation", False)]
+
+
 def device_profile(step, steps: int) -> dict:
     """CUDA: the kernels of ``steps`` calls of ``step()`` (per step), by ``torch.profiler``."""
     from torch.profiler import ProfilerActivity, profile
@@ -63,8 +75,7 @@ def device_profile(step, steps: int) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
+    kernels = kernel_events(prof.events())
     by_name: dict[str, list[float]] = defaultdict(list)
     for e in kernels:
         by_name[e.name].append(e.time_range.elapsed_us())
@@ -79,51 +90,69 @@ def device_profile(step, steps: int) -> dict:
 def measure(args) -> dict:
     device = args.device
     dtype = torch.float16 if device == "cuda" else torch.bfloat16
-    rows = []
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         variants = make_variants(args.variants, args.size, device, Path(tmp))
         data = list(batches(args.size, device, 4))
-        for v in variants:
-            i = 0
-
-            def step(v=v):
-                nonlocal i
-                train_step(v, data[i % len(data)], dtype, device)
-                i += 1
-
+        steps = {v.name: _stepper(v, data, dtype, device) for v in variants}
+        rows, sampled_at = {}, {}
+        for v in variants:  # every variant timed before any is profiled (a profiler can slow what follows)
+            step = steps[v.name]
             for _ in range(args.warmup):
                 step()
+            scale = None
             if v.cadence is not None:
-                # A sampled step, untimed: the every - 1 steps after it are steady (module_every is
-                # a multiple of every). Moving the step number syncs: here, not between timed steps.
+                # A sampled step, untimed, then a few steady ones (the writer thread's work for the
+                # sampled step): the every - 1 steps after it are steady (module_every is a multiple
+                # of every). Moving the step number syncs: here, not between timed steps.
                 v.move_to("sampled")
-                step()
+                sampled_at[v.name] = v.step
+                for _ in range(1 + args.settle):
+                    step()
+                scale = v.scaler.get_scale()
             _sync(device)
-            wall, host = time.perf_counter(), time.thread_time()
+            wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
             for _ in range(args.steps):
                 step()
             _sync(device)
-            wall, host = (time.perf_counter() - wall) / args.steps, (time.thread_time() - host) / args.steps
-            row = {"variant": v.name, "wall_ms": wall * 1e3, "host_ms": host * 1e3}
+            rows[v.name] = {"variant": v.name, "wall_ms": (time.perf_counter() - wall) / args.steps * 1e3,
+                            "host_ms": (time.thread_time() - thread) / args.steps * 1e3,
+                            "process_ms": (time.process_time() - process) / args.steps * 1e3}
             with OpCounter() as counter:
                 step()
-            row.update(ops=counter.launches, views=counter.views)
-            if device == "cuda":
-                row.update(device_profile(step, args.profile_steps))
+            rows[v.name].update(ops=counter.launches, views=counter.views)
+            if scale is not None:
+                # A skipped step escalates the next ones to full statistics: then they were not steady.
+                rows[v.name]["steady_only"] = v.scaler.get_scale() == scale
+        if device == "cuda":
+            for v in variants:
+                row = rows[v.name]
+                scale = v.scaler.get_scale() if v.cadence is not None else None
+                row.update(device_profile(steps[v.name], args.profile_steps))
                 row["idle_ms"] = row["wall_ms"] - row["busy_ms"]
+                if scale is not None:
+                    row["steady_only"] = row["steady_only"] and v.scaler.get_scale() == scale
+        for v in variants:
             if v.cadence is not None:
-                measured = range(v.step - args.steps - 1 - (args.profile_steps if device == "cuda" else 0), v.step)
-                row["steady_only"] = {v.cadence.kind(n) for n in measured} == {"steady"}
+                row = rows[v.name]
+                # every step after the sampled one is before the next sampled one
+                row["steady_only"] = row["steady_only"] and v.step - sampled_at[v.name] <= v.cadence.every
                 v.scaler.close()
-            rows.append(row)
-            del v.model, v.optimizer
-            if device == "cuda":
-                torch.cuda.empty_cache()
     return {"benchmark": "step_profile", "device": _device_name(device), "device_type": device,
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             **package_provenance(), "size": args.size, "steps": args.steps, "profile_steps": args.profile_steps,
-            "rows": rows}
+            "rows": [rows[v.name] for v in variants]}
+
+
+def _stepper(v, data, dtype, device):
+    """One training step of variant ``v`` per call, through the batches in turn."""
+    count = 0
+
+    def step():
+        nonlocal count
+        train_step(v, data[count % len(data)], dtype, device)
+        count += 1
+    return step
 
 
 def print_rows(result: dict) -> None:
@@ -144,6 +173,7 @@ def main() -> None:
     parser.add_argument("--variants", type=lambda s: s.split(","), default=VARIANTS)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steady steps per variant")
+    parser.add_argument("--settle", type=int, default=3, help="untimed steady steps after the sampled one")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per variant (CUDA)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

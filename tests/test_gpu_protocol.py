@@ -230,6 +230,16 @@ def test_no_gpu_is_one_line():
     assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in proc.stderr
 
 
+def test_kernels_are_device_events_but_copies_memsets_and_annotations():
+    from types import SimpleNamespace
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="gemm", device_type=cuda), SimpleNamespace(name="aten::mm", device_type=cpu),
+              SimpleNamespace(name="Memcpy HtoD", device_type=cuda), SimpleNamespace(name="Memset", device_type=cuda),
+              SimpleNamespace(name="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=True),
+              SimpleNamespace(name="triton_tile", device_type=cuda, is_user_annotation=False)]
+    assert [e.name for e in step_profile.kernel_events(events)] == ["gemm", "triton_tile"]
+
+
 def test_busy_time_is_the_union_of_the_kernels_intervals():
     assert step_profile.busy_union([]) == 0
     assert step_profile.busy_union([(0, 2), (1, 3), (5, 6), (5.5, 5.7), (10, 10)]) == 4
@@ -247,4 +257,5 @@ def test_a_full_steady_step_costs_more_ops_than_params_and_every_step_is_steady(
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["ampdoctor:params"]["steady_only"] and rows["ampdoctor:full"]["steady_only"]
     assert rows["ampdoctor:full"]["ops"] > rows["ampdoctor:params"]["ops"] > rows["plain"]["ops"]
+    assert all(r["process_ms"] >= r["host_ms"] * 0.9 for r in rows.values())
     assert "per steady step" in proc.stdout

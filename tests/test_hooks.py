@@ -252,6 +252,34 @@ def test_no_grad_and_eval_passes_record_forward_only(run_path):
     assert counts["output"] == 2 * counts["grad_output"]  # two forwards, one backward
 
 
+@pytest.mark.parametrize("level", ["full", "params"])
+def test_an_inference_mode_pass_is_not_tapped_and_recording_goes_on(run_path, level):
+    """Inference tensors have no version counter: a validation pass under inference_mode between
+    (and inside) steps, on module-sampled and light steps, is skipped, not a recorder failure."""
+    torch.manual_seed(0)
+    model = MLP()
+    data = batches(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recorder failure warns
+        with ampdoctor.GradScaler("cpu", model=model, path=run_path, level=level, every=2, module_every=2,
+                                  flight_steps=4, **QUIET) as scaler:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for x, y in data:
+                with torch.inference_mode():
+                    model(x)  # before the step's own forward
+                scaler.scale(mse(model, x, y)).backward()
+                with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
+                    model(x)  # between backward and step
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    frame = ampdoctor.load(run_path)
+    assert sorted(frame.step.unique()) == [0, 1, 2, 3]
+    if level == "full":  # module-sampled steps 0 and 2: one forward's rows, one backward's
+        taps = frame[frame.step.isin([0, 2])].groupby("kind").size()
+        assert taps["output"] == taps["grad_output"] > 0
+
+
 # -- cost control: flight recorder and escalation ---------------------------------------------
 
 def amplify_at(model, steps):

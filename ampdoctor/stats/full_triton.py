@@ -19,9 +19,9 @@ of the unscaled magnitudes over the run's histogram bins (binades below the firs
 bin 0, those above the last in the last), the zeros, the elements below the subnormal threshold,
 the non-finite elements and the quiet NaNs among them, the largest finite magnitude, the smallest
 nonzero one (as bits) and the sum of squares in float64; then it marks each row and column of the
-tile that holds a nonzero element (plain stores of 1: a benign race). A tile without a zero, the
-usual gradient tile, marks all its lines at once; only a tile holding zeros reads its blocks a
-second time (from cache) to find them. (Marks made in the one pass per element doubled the
+tile that holds a nonzero element (plain stores of 1: a benign race). A tile without a zero (most
+of a dense gradient) marks all its lines at once; only a tile holding zeros (an embedding's rows of
+unused tokens, a ReLU's output) reads its blocks a second time, from cache, to find them. (Marks made in the one pass per element doubled the
 kernel's time on an H200, benchmarks/results/stats_kernels_h200_2026-11-26.json; per block they
 cost two cross-warp reductions a block.) Kernel 2
 (:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order, fills the
