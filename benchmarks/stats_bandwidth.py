@@ -37,11 +37,9 @@ import statistics
 import sys
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampdoctor import stats
 

@@ -20,7 +20,7 @@ It answers what overhead.py's ratios cannot: whether ``full``'s extra time is th
 host work (``host_ms`` and ``idle_ms`` grow) or the device's reductions (``busy_ms`` grows), and
 which kernels. Only ampdoctor's public API is used, as in overhead.py.
 
-    python benchmarks/step_profile.py --device cuda --size gpt2      # ~30 s on an H100
+    python benchmarks/step_profile.py --device cuda --size gpt2      # under a minute on an H100 (estimated)
     python benchmarks/step_profile.py --device cpu --size tiny       # a smoke run
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import torch
 
 import ampdoctor
 from host_cost import OpCounter  # this script's folder is on sys.path when it is run
-from overhead import _device_name, _sync, batches, make_variants, package_provenance, train_step
+from overhead import SIZES, _device_name, _sync, batches, make_variants, package_provenance, train_step
 
 VARIANTS = ["plain", "ampdoctor:params", "ampdoctor:full"]
 TOP = 12  # kernels listed per variant
@@ -157,10 +156,11 @@ def _stepper(v, data, dtype, device):
 
 def print_rows(result: dict) -> None:
     print(f"{result['device']}, size {result['size']}: per steady step")
-    print(f"  {'variant':<18} {'wall ms':>8} {'host ms':>8} {'ops':>6} {'busy ms':>8} {'idle ms':>8} {'kernels':>8}")
+    print(f"  {'variant':<18} {'wall ms':>8} {'host ms':>8} {'all CPU':>8} {'ops':>6} {'busy ms':>8} {'idle ms':>8} "
+          f"{'kernels':>8}")
     for r in result["rows"]:
         dev = (f"{r['busy_ms']:>8.2f} {r['idle_ms']:>8.2f} {r['kernels']:>8.0f}" if "busy_ms" in r else "")
-        print(f"  {r['variant']:<18} {r['wall_ms']:>8.2f} {r['host_ms']:>8.2f} {r['ops']:>6} {dev}")
+        print(f"  {r['variant']:<18} {r['wall_ms']:>8.2f} {r['host_ms']:>8.2f} {r['process_ms']:>8.2f} {r['ops']:>6} {dev}")
     for r in result["rows"]:
         for k in r.get("top", [])[:6]:
             print(f"    {r['variant']:<16} {k['ms']:7.2f} ms {k['calls']:6.0f}x  {k['name'][:70]}")
@@ -169,7 +169,7 @@ def print_rows(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--size", default="gpt2")
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpt2")
     parser.add_argument("--variants", type=lambda s: s.split(","), default=VARIANTS)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steady steps per variant")
