@@ -24,9 +24,10 @@ one part, recorded in the JSON, not the others' results), in this order:
   recorded beside the current results with that tree's commit. Not checked; an error there (an import
   error, an API the script needs and the tree lacks) is an errored part.
 - stats: the bandwidth micro-benchmark (100 M float32 gradient elements on CUDA).
-- profile: where a steady step's time goes on the first size, host or device, for plain, params and
-  full (``benchmarks/step_profile.py``: wall, host CPU and kernel time per step, the top kernels).
-  Not checked: it says what to change when a check fails.
+- profile: where a step's time goes on the first size, host or device, for plain, params and
+  full, steady steps and one sampled and one module-sampled step (``benchmarks/step_profile.py``:
+  wall, host CPU and kernel time per step, the top kernels). Not checked: it says what to change
+  when a check fails.
 - overhead group "baselines" (plain, hf-debug, detect-anomaly; ``--baseline-steps`` each): several
   times slower than plain with many syncs, so shown, not measured to the percent; last, since no
   check needs it.

@@ -14,7 +14,9 @@ skipped step escalates the next ones), every variant timed before any is profile
   durations per step), ``busy_ms`` (the time at least one kernel ran: the union of their
   intervals), ``kernels`` per step, and the ``top`` kernels by time; ``idle_ms = wall - busy`` is
   what the device spent waiting (for the host, or for the sync);
-* on any device, the torch ops dispatched per step (a ``TorchDispatchMode``, views apart).
+* on any device, the torch ops dispatched per step (a ``TorchDispatchMode``, views apart);
+* ``events``: the same for one sampled step of each ampdoctor variant and one module-sampled step at
+  ``full`` (what the protocol's sampled and module-sampled checks pay), each timed alone.
 
 It answers what overhead.py's ratios cannot: whether ``full``'s extra time is the module hooks'
 host work (``host_ms`` and ``idle_ms`` grow) or the device's reductions (``busy_ms`` grows), and
@@ -136,11 +138,41 @@ def measure(args) -> dict:
                 row = rows[v.name]
                 # every step after the sampled one is before the next sampled one
                 row["steady_only"] = row["steady_only"] and v.step - sampled_at[v.name] <= v.cadence.every
+        events = [event_step(v, kind, steps[v.name], args) for v in variants if v.cadence is not None
+                  for kind in ("sampled", "module_sampled") if v.cadence.available(kind) == kind]
+        for v in variants:
+            if v.cadence is not None:
                 v.scaler.close()
     return {"benchmark": "step_profile", "device": _device_name(device), "device_type": device,
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             **package_provenance(), "size": args.size, "steps": args.steps, "profile_steps": args.profile_steps,
-            "rows": [rows[v.name] for v in variants]}
+            "rows": [rows[v.name] for v in variants], "events": events}
+
+
+def event_step(v, kind: str, step, args) -> dict:
+    """One step of ``kind`` ("sampled": full statistics of the gradients; "module_sampled": of the
+    module taps too), timed alone, then on CUDA another one profiled; then ``args.settle`` steps
+    for the work it leaves to the writer, before anything else is measured."""
+    device = args.device
+    v.move_to(kind)  # (syncs: before the timed step)
+    _sync(device)
+    wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+    step()
+    _sync(device)
+    row = {"variant": f"{v.name} ({kind.replace('_', '-')})", "kind": kind,
+           "wall_ms": (time.perf_counter() - wall) * 1e3, "host_ms": (time.thread_time() - thread) * 1e3,
+           "process_ms": (time.process_time() - process) * 1e3}
+    with OpCounter() as counter:
+        v.move_to(kind)
+        step()
+    row.update(ops=counter.launches, views=counter.views)
+    if device == "cuda":
+        v.move_to(kind)
+        row.update(device_profile(step, 1))
+        row["idle_ms"] = row["wall_ms"] - row["busy_ms"]
+    for _ in range(args.settle):
+        step()
+    return row
 
 
 def _stepper(v, data, dtype, device):
@@ -155,15 +187,15 @@ def _stepper(v, data, dtype, device):
 
 
 def print_rows(result: dict) -> None:
-    print(f"{result['device']}, size {result['size']}: per steady step")
-    print(f"  {'variant':<18} {'wall ms':>8} {'host ms':>8} {'all CPU':>8} {'ops':>6} {'busy ms':>8} {'idle ms':>8} "
+    print(f"{result['device']}, size {result['size']}: per steady step, then single sampled and module-sampled steps")
+    print(f"  {'variant':<34} {'wall ms':>8} {'host ms':>8} {'all CPU':>8} {'ops':>6} {'busy ms':>8} {'idle ms':>8} "
           f"{'kernels':>8}")
-    for r in result["rows"]:
+    for r in result["rows"] + result.get("events", []):
         dev = (f"{r['busy_ms']:>8.2f} {r['idle_ms']:>8.2f} {r['kernels']:>8.0f}" if "busy_ms" in r else "")
-        print(f"  {r['variant']:<18} {r['wall_ms']:>8.2f} {r['host_ms']:>8.2f} {r['process_ms']:>8.2f} {r['ops']:>6} {dev}")
-    for r in result["rows"]:
+        print(f"  {r['variant']:<34} {r['wall_ms']:>8.2f} {r['host_ms']:>8.2f} {r['process_ms']:>8.2f} {r['ops']:>6} {dev}")
+    for r in result["rows"] + result.get("events", []):
         for k in r.get("top", [])[:6]:
-            print(f"    {r['variant']:<16} {k['ms']:7.2f} ms {k['calls']:6.0f}x  {k['name'][:70]}")
+            print(f"    {r['variant']:<32} {k['ms']:7.2f} ms {k['calls']:6.0f}x  {k['name'][:70]}")
 
 
 def main() -> None:

@@ -258,4 +258,9 @@ def test_a_full_steady_step_costs_more_ops_than_params_and_every_step_is_steady(
     assert rows["ampdoctor:params"]["steady_only"] and rows["ampdoctor:full"]["steady_only"]
     assert rows["ampdoctor:full"]["ops"] > rows["ampdoctor:params"]["ops"] > rows["plain"]["ops"]
     assert all(r["process_ms"] >= r["host_ms"] * 0.9 for r in rows.values())
+    events = {r["variant"]: r for r in json.loads(out.read_text())["events"]}
+    assert list(events) == ["ampdoctor:params (sampled)", "ampdoctor:full (sampled)", "ampdoctor:full (module-sampled)"]
+    # full statistics cost ops on the sampled steps; the module taps' full statistics more still
+    assert events["ampdoctor:full (module-sampled)"]["ops"] > events["ampdoctor:full (sampled)"]["ops"] > rows[
+        "ampdoctor:full"]["ops"]
     assert "per steady step" in proc.stdout
