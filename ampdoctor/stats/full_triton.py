@@ -19,9 +19,12 @@ of the unscaled magnitudes over the run's histogram bins (binades below the firs
 bin 0, those above the last in the last), the zeros, the elements below the subnormal threshold,
 the non-finite elements and the quiet NaNs among them, the largest finite magnitude, the smallest
 nonzero one (as bits) and the sum of squares in float64; then it marks each row and column of the
-tile that holds a nonzero element (plain stores of 1: a benign race). A tile without a zero (most
-of a dense gradient) marks all its lines at once; only a tile holding zeros (an embedding's rows of
-unused tokens, a ReLU's output) reads its blocks a second time, from cache, to find them. (Marks made in the one pass per element doubled the
+tile that holds a nonzero element (plain stores of 1: a benign race). A row of zeros takes as many
+of the tile's zeros as it has columns, a column of zeros (within the tile) as many as the tile has
+rows: a tile with fewer zeros than that (a dense gradient, or one with scattered zeros) marks all
+its rows, or all its columns, at once without reading them again. Only otherwise (an embedding's
+rows of unused tokens, a ReLU's output) does it read its blocks again, from cache, folding them
+per row block (or column block) and reducing once per block row (or column). (Marks made in the one pass per element doubled the
 kernel's time on an H200, benchmarks/results/stats_kernels_h200_2026-11-26.json; per block they
 cost two cross-warp reductions a block.) Kernel 2
 (:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order, fills the
@@ -95,47 +98,81 @@ def _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB: tl.cons
 
 
 @triton.jit
-def _mark_lines(data, blocks, col_blocks, n_rows, n_cols, length, rr, cc, any_zero, row_marks, col_marks,
-                RB: tl.constexpr, CB: tl.constexpr, BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """Mark each row and column of a tile that holds a nonzero element (NaN too, as in
-    zero_line_elements). A tile without a zero (the usual gradient) marks all its lines at once,
-    without looking at its elements again; only a tile holding zeros is read a second time
-    (from cache: it was just read), block by block. Every store writes 1: their order, and
-    the tiles that share a column, do not matter."""
-    if any_zero == 0:
-        if FOR_LOOP:
-            for start in range(0, n_rows, RB * CB):
-                at = start + rr[:, None] * CB + cc[None, :]
-                tl.store(row_marks + at, 1, mask=at < n_rows)
-            for start in range(0, n_cols, RB * CB):
-                at = start + rr[:, None] * CB + cc[None, :]
-                tl.store(col_marks + at, 1, mask=at < n_cols)
-        else:
-            start = n_rows * 0
-            while start < n_rows:
-                at = start + rr[:, None] * CB + cc[None, :]
-                tl.store(row_marks + at, 1, mask=at < n_rows)
-                start += RB * CB
-            start = n_cols * 0
-            while start < n_cols:
-                at = start + rr[:, None] * CB + cc[None, :]
-                tl.store(col_marks + at, 1, mask=at < n_cols)
-                start += RB * CB
+def _mark_all(marks, n, rr, cc, RB: tl.constexpr, CB: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """Marks ``0 .. n`` set, ``RB * CB`` stores at a time."""
+    if FOR_LOOP:
+        for start in range(0, n, RB * CB):
+            at = start + rr[:, None] * CB + cc[None, :]
+            tl.store(marks + at, 1, mask=at < n)
     else:
-        if FOR_LOOP:
-            for b in range(0, blocks):
-                rows, cols, scaled = _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
-                nonzero = (scaled != 0.0).to(tl.int32)
-                tl.store(row_marks + rows, 1, mask=tl.max(nonzero, axis=1) > 0)
-                tl.store(col_marks + cols, 1, mask=tl.max(nonzero, axis=0) > 0)
-        else:
-            b = blocks * 0
-            while b < blocks:
-                rows, cols, scaled = _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
-                nonzero = (scaled != 0.0).to(tl.int32)
-                tl.store(row_marks + rows, 1, mask=tl.max(nonzero, axis=1) > 0)
-                tl.store(col_marks + cols, 1, mask=tl.max(nonzero, axis=0) > 0)
-                b += 1
+        start = n * 0
+        while start < n:
+            at = start + rr[:, None] * CB + cc[None, :]
+            tl.store(marks + at, 1, mask=at < n)
+            start += RB * CB
+
+
+@triton.jit
+def _mark_rows(data, n_rows, n_cols, length, rr, cc, zeros, row_marks, RB: tl.constexpr, CB: tl.constexpr,
+               BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """Mark the tile's rows that hold a nonzero element (NaN too, as in zero_line_elements). A row
+    of zeros takes ``n_cols`` of the tile's ``zeros``: with fewer, every row holds a nonzero, and all
+    are marked without reading the tile again. Otherwise each row block is read again (from cache:
+    it was just read), its column blocks folded together, and reduced across columns once."""
+    col_blocks = tl.cdiv(n_cols, CB)
+    if zeros < n_cols:
+        _mark_all(row_marks, n_rows, rr, cc, RB, CB, FOR_LOOP)
+    elif FOR_LOOP:
+        for rb in range(0, tl.cdiv(n_rows, RB)):
+            seen = tl.zeros([RB, CB], dtype=tl.int32)
+            for cb in range(0, col_blocks):
+                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
+                                                 rr, cc, RB, CB, BF16)
+                seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
+            tl.store(row_marks + rb * RB + rr, 1, mask=tl.max(seen, axis=1) > 0)
+    else:
+        rb = n_rows * 0
+        while rb < tl.cdiv(n_rows, RB):
+            seen = tl.zeros([RB, CB], dtype=tl.int32)
+            cb = rb * 0
+            while cb < col_blocks:
+                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
+                                                 rr, cc, RB, CB, BF16)
+                seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
+                cb += 1
+            tl.store(row_marks + rb * RB + rr, 1, mask=tl.max(seen, axis=1) > 0)
+            rb += 1
+
+
+@triton.jit
+def _mark_columns(data, n_rows, n_cols, length, rr, cc, zeros, col_marks, RB: tl.constexpr, CB: tl.constexpr,
+                  BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """The same for the columns: a column of zeros within the tile takes its ``n_rows`` zeros; the
+    columns hold the tile's rows only, so a column is marked if any tile finds a nonzero in it.
+    Otherwise each column block is read again, its row blocks folded, and reduced across rows once."""
+    col_blocks = tl.cdiv(n_cols, CB)
+    if zeros < n_rows:
+        _mark_all(col_marks, n_cols, rr, cc, RB, CB, FOR_LOOP)
+    elif FOR_LOOP:
+        for cb in range(0, col_blocks):
+            seen = tl.zeros([RB, CB], dtype=tl.int32)
+            for rb in range(0, tl.cdiv(n_rows, RB)):
+                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
+                                                 rr, cc, RB, CB, BF16)
+                seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
+            tl.store(col_marks + cb * CB + cc, 1, mask=tl.max(seen, axis=0) > 0)
+    else:
+        cb = n_cols * 0
+        while cb < col_blocks:
+            seen = tl.zeros([RB, CB], dtype=tl.int32)
+            rb = cb * 0
+            while rb < tl.cdiv(n_rows, RB):
+                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
+                                                 rr, cc, RB, CB, BF16)
+                seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
+                rb += 1
+            tl.store(col_marks + cb * CB + cc, 1, mask=tl.max(seen, axis=0) > 0)
+            cb += 1
 
 
 @triton.jit
@@ -228,9 +265,9 @@ def _tile_kernel(tiles, addresses, single, inv_scale, hist_out, extra_out, amax_
             b += 1
     padding = (blocks * (RB * CB) - length).to(tl.int32)
     n_zero = tl.sum(tl.sum(zeros, axis=1), axis=0)
-    if marks_on:
-        _mark_lines(data, blocks, col_blocks, n_rows, n_cols, length, rr, cc, n_zero - padding, row_marks, col_marks,
-                    RB, CB, BF16, FOR_LOOP)
+    if marks_on:  # (zeros of the tile itself: its padding lanes read 0)
+        _mark_rows(data, n_rows, n_cols, length, rr, cc, n_zero - padding, row_marks, RB, CB, BF16, FOR_LOOP)
+        _mark_columns(data, n_rows, n_cols, length, rr, cc, n_zero - padding, col_marks, RB, CB, BF16, FOR_LOOP)
     n_nonfinite = tl.sum(tl.sum(nonfinite, axis=1), axis=0)
     bins = tl.arange(0, NBINS)
     hist -= tl.where(bins == 0, padding, 0) + tl.where(bins == LAST_BIN, n_nonfinite, 0)
