@@ -115,6 +115,28 @@ def test_zero_lines_across_tiles_with_and_without_zeros(lines, dtype, monkeypatc
         full_triton._plan.cache_clear()
 
 
+@pytest.mark.parametrize("lines", ["rows", "features"])
+def test_tiles_of_several_row_and_column_blocks(lines):
+    """Tiles of 48 rows x 300 columns (6 row blocks x 3 column blocks, walked row-major with the
+    block's row and column carried by hand): every statistic and zero line as the host algorithm
+    has them, alone and together with another tensor."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(100, 300, generator=gen) * 1e-4
+    a[torch.rand(100, 300, generator=gen) < 0.3] = 0  # enough zeros to read the tiles again
+    a[61] = 0
+    a[:, 129] = 0
+    a[7, 255] = math.nan
+    a[99, 299] = math.inf
+    b = torch.randn(30, 200, generator=gen)
+    for tensors in ([a], [a, b]):
+        kw = dict(inv_scale=torch.tensor(2.0**-3), subnormal_below=FLOAT16.smallest_normal, per_tensor=True,
+                  lines=lines)
+        expected = full_stats(tensors, algorithm="host", **kw).decode()
+        got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
+                         **{**kw, "inv_scale": kw["inv_scale"].to(DEVICE)})
+        _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{lines} {len(tensors)}", l2_rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_dtype_and_no_scale(dtype):
     gen = torch.Generator().manual_seed(2)

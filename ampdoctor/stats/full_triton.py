@@ -79,13 +79,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 @triton.jit
-def _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB: tl.constexpr, CB: tl.constexpr,
+def _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB: tl.constexpr, CB: tl.constexpr,
                 BF16: tl.constexpr):
-    """Block ``b`` of a tile: its rows, its columns and the magnitudes of its elements in float32
-    (0 outside the tile)."""
-    rb = b // col_blocks
+    """The block of row block ``rb`` and column block ``cb`` of a tile: its rows, its columns and
+    the magnitudes of its elements in float32 (0 outside the tile)."""
     rows = rb * RB + rr
-    cols = (b - rb * col_blocks) * CB + cc
+    cols = cb * CB + cc
     linear = rows[:, None] * n_cols + cols[None, :]
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols) & (linear < length)
     if BF16:  # bfloat16 is the top half of a float32: widened by a shift (Triton's interpreter
@@ -126,8 +125,8 @@ def _mark_rows(data, n_rows, n_cols, length, rr, cc, zeros, row_marks, RB: tl.co
         for rb in range(0, tl.cdiv(n_rows, RB)):
             seen = tl.zeros([RB, CB], dtype=tl.int32)
             for cb in range(0, col_blocks):
-                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
-                                                 rr, cc, RB, CB, BF16)
+                rows, cols, scaled = _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB, CB,
+                                                 BF16)
                 seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
             tl.store(row_marks + rb * RB + rr, 1, mask=tl.max(seen, axis=1) > 0)
     else:
@@ -136,8 +135,8 @@ def _mark_rows(data, n_rows, n_cols, length, rr, cc, zeros, row_marks, RB: tl.co
             seen = tl.zeros([RB, CB], dtype=tl.int32)
             cb = rb * 0
             while cb < col_blocks:
-                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
-                                                 rr, cc, RB, CB, BF16)
+                rows, cols, scaled = _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB, CB,
+                                                 BF16)
                 seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
                 cb += 1
             tl.store(row_marks + rb * RB + rr, 1, mask=tl.max(seen, axis=1) > 0)
@@ -157,8 +156,8 @@ def _mark_columns(data, n_rows, n_cols, length, rr, cc, zeros, col_marks, RB: tl
         for cb in range(0, col_blocks):
             seen = tl.zeros([RB, CB], dtype=tl.int32)
             for rb in range(0, tl.cdiv(n_rows, RB)):
-                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
-                                                 rr, cc, RB, CB, BF16)
+                rows, cols, scaled = _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB, CB,
+                                                 BF16)
                 seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
             tl.store(col_marks + cb * CB + cc, 1, mask=tl.max(seen, axis=0) > 0)
     else:
@@ -167,8 +166,8 @@ def _mark_columns(data, n_rows, n_cols, length, rr, cc, zeros, col_marks, RB: tl
             seen = tl.zeros([RB, CB], dtype=tl.int32)
             rb = cb * 0
             while rb < tl.cdiv(n_rows, RB):
-                rows, cols, scaled = _magnitudes(data, rb * col_blocks + cb, col_blocks, n_rows, n_cols, length,
-                                                 rr, cc, RB, CB, BF16)
+                rows, cols, scaled = _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB, CB,
+                                                 BF16)
                 seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
                 rb += 1
             tl.store(col_marks + cb * CB + cc, 1, mask=tl.max(seen, axis=0) > 0)
@@ -176,14 +175,14 @@ def _mark_columns(data, n_rows, n_cols, length, rr, cc, zeros, col_marks, RB: tl
 
 
 @triton.jit
-def _block(data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold,
+def _block(data, rb, cb, n_rows, n_cols, length, rr, cc, inv, threshold,
            hist, zeros, below, nonfinite, nans, top, low, squares,
            HAS_SCALE: tl.constexpr, FIRST_E: tl.constexpr, LAST_BIN: tl.constexpr, NBINS: tl.constexpr,
            RB: tl.constexpr, CB: tl.constexpr, BF16: tl.constexpr):
     """Block ``b`` of a tile (``RB`` rows x ``CB`` columns of its 2-D view) added to the tile's
     accumulators (per lane, but ``hist``). Lanes outside the tile read 0: they count as zeros,
     subnormal and in bin 0, and are taken off once at the end (no mask per statistic)."""
-    rows, cols, scaled = _magnitudes(data, b, col_blocks, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
+    rows, cols, scaled = _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB, CB, BF16)
     zeros += (scaled == 0.0).to(tl.int32)
     below += (scaled < threshold).to(tl.int32)  # zeros too: taken off at the end
     if HAS_SCALE:
@@ -249,19 +248,29 @@ def _tile_kernel(tiles, addresses, single, inv_scale, hist_out, extra_out, amax_
     squares = tl.zeros([RB, CB], dtype=tl.float64)
     col_blocks = tl.cdiv(n_cols, CB)
     blocks = tl.cdiv(n_rows, RB) * col_blocks
+    # Blocks row-major: (rb, cb) carried and wrapped by hand (a division per block cost ~6
+    # instructions per element in the compiled loop).
+    rb = n_rows * 0
+    cb = n_cols * 0
     if FOR_LOOP:  # compiled: a for loop over a loaded bound is software-pipelined
         for b in range(0, blocks):
             hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold,
+                data, rb, cb, n_rows, n_cols, length, rr, cc, inv, threshold,
                 hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, RB, CB,
                 BF16)
+            cb += 1
+            rb = tl.where(cb == col_blocks, rb + 1, rb)
+            cb = tl.where(cb == col_blocks, 0, cb)
     else:  # Triton's interpreter cannot take a loaded loop bound in range() under numpy 2
         b = blocks * 0
         while b < blocks:
             hist, zeros, below, nonfinite, nans, top, low, squares = _block(
-                data, b, col_blocks, n_rows, n_cols, length, rr, cc, inv, threshold,
+                data, rb, cb, n_rows, n_cols, length, rr, cc, inv, threshold,
                 hist, zeros, below, nonfinite, nans, top, low, squares, HAS_SCALE, FIRST_E, LAST_BIN, NBINS, RB, CB,
                 BF16)
+            cb += 1
+            rb = tl.where(cb == col_blocks, rb + 1, rb)
+            cb = tl.where(cb == col_blocks, 0, cb)
             b += 1
     padding = (blocks * (RB * CB) - length).to(tl.int32)
     n_zero = tl.sum(tl.sum(zeros, axis=1), axis=0)
