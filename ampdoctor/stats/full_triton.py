@@ -413,7 +413,7 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
     device, dtype = tensors[0].device, tensors[0].dtype
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     plan = _plan(tuple(t.shape for t in flat), per_tensor, lines)
-    table = plan.on(device)
+    table, tiles, first_tile, line_table = plan.on(device)
     single = len(flat) == 1
     if single:  # the tensor itself is the kernel's argument (bfloat16 read as int16: see _block)
         addresses, data = table, flat[0].view(torch.int16) if dtype == torch.bfloat16 else flat[0]
@@ -422,17 +422,16 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
                             pin_memory=device.type == "cuda")  # pageable memory would make the copy synchronous
         addresses, data = host.to(device, non_blocking=True), table
     n_tiles, n_slots = plan.n_tiles, plan.n_slots
-    tiles, first_tile, line_table = plan.views(table)
 
     # One zeroed buffer (one memset): the counts, then a byte per row and column of the 2-D views.
     zeroed = torch.zeros(n_slots * slot_stride * 8 + max(plan.n_marks, 1), dtype=torch.uint8, device=device)
-    counts = zeroed[:n_slots * slot_stride * 8].view(torch.int64)
-    marks = zeroed[n_slots * slot_stride * 8:]
+    counts = zeroed.narrow(0, 0, n_slots * slot_stride * 8).view(torch.int64)
+    marks = zeroed.narrow(0, n_slots * slot_stride * 8, zeroed.numel() - n_slots * slot_stride * 8)
     amax = torch.empty(n_slots, dtype=torch.float32, device=device)
     amin = torch.empty(n_slots, dtype=torch.int32, device=device)
     sumsq = torch.empty(n_slots, dtype=torch.float64, device=device)
     line_zeros = torch.empty(n_slots, dtype=torch.int64, device=device)
-    nbins = max(2, triton.next_power_of_2(hist_bins))
+    nbins = max(2, 1 << (hist_bins - 1).bit_length())  # (triton.next_power_of_2: a slow constexpr function call)
     rows = max(n_tiles, 1)
     partial_hist = torch.empty((rows, nbins), dtype=torch.int32, device=device)
     partial_extra = torch.empty((rows, 8), dtype=torch.int32, device=device)
@@ -501,22 +500,22 @@ class _Plan:
         first = np.array([0] + ends, dtype=np.int64) if per_tensor else np.array([0, self.n_tiles], dtype=np.int64)
         self.n_slots = len(first) - 1
         self._host = torch.from_numpy(np.concatenate([table.reshape(-1), first, geometry.reshape(-1)]))
-        self._on: dict[torch.device, torch.Tensor] = {}
+        self._on: dict[torch.device, tuple] = {}
 
-    def on(self, device: torch.device) -> torch.Tensor:
-        """The table on ``device``: copied the first time, without blocking."""
-        table = self._on.get(device)
-        if table is None:
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The table on ``device`` (copied the first time, without blocking), and its parts: the
+        tiles, each slot's first tile, and the tensors' line geometry (views made once: a call
+        pays no op for them)."""
+        held = self._on.get(device)
+        if held is None:
             host = self._host.pin_memory() if device.type == "cuda" else self._host
-            table = self._on[device] = host.to(device, non_blocking=True)
-        return table
-
-    def views(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The tiles, each slot's first tile, and the tensors' line geometry, in ``table``."""
-        tiles = table.narrow(0, 0, _TABLE * self.n_tiles)
-        first = table.narrow(0, _TABLE * self.n_tiles, self.n_slots + 1)
-        return tiles, first, table.narrow(0, _TABLE * self.n_tiles + self.n_slots + 1,
-                                          table.numel() - _TABLE * self.n_tiles - self.n_slots - 1)
+            table = host.to(device, non_blocking=True)
+            tiles = table.narrow(0, 0, _TABLE * self.n_tiles)
+            first = table.narrow(0, _TABLE * self.n_tiles, self.n_slots + 1)
+            lines = table.narrow(0, _TABLE * self.n_tiles + self.n_slots + 1,
+                                 table.numel() - _TABLE * self.n_tiles - self.n_slots - 1)
+            held = self._on[device] = (table, tiles, first, lines)
+        return held
 
 
 @functools.lru_cache(maxsize=256)
