@@ -43,7 +43,7 @@ def variants():
                            pointer, {"DTYPE": getattr(tl, element), "ESIZE": size, "SINGLE": single,
                                      "HAS_SCALE": has_scale, "RB": ft.RB, "CB": ft.CB, "FIRST_E": 71, "LAST_BIN": 63,
                                      "NBINS": 64, "WIDE": wide, "FOR_LOOP": True, "BF16": torch_name == "bfloat16"},
-                           8)
+                           ft.TILE_WARPS)
     for per_tensor in (True, False):
         yield (f"slot per_tensor={per_tensor}", ft._slot_kernel, SLOT,
                {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71, "BINS": 64, "NBINS": 64,

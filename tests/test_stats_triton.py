@@ -137,6 +137,28 @@ def test_tiles_of_several_row_and_column_blocks(lines):
         _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{lines} {len(tensors)}", l2_rtol=1e-5)
 
 
+def test_partial_buffers_are_reused_by_calls_of_the_same_shape_and_bounded():
+    """The tiles' partial results are kept per shape (a module-sampled step repeats a few shapes
+    hundreds of times): a second call of the same shape on other data gets its own results, not
+    the first call's; at most PARTIALS_KEPT sets are kept, and none for a call of many tiles."""
+    from ampdoctor.stats import full_triton
+
+    gen = torch.Generator().manual_seed(7)
+    kw = dict(inv_scale=None, subnormal_below=FLOAT16.smallest_normal, lines="features")
+    first, second = torch.randn(20, 30, generator=gen), torch.randn(20, 30, generator=gen) * 1e-3
+    second[3] = 0
+    results = [full_stats([t.to(DEVICE)], algorithm="triton", **kw).to_host(lambda t: t.cpu()).decode()
+               for t in (first, second)]
+    for got, t in zip(results, (first, second)):
+        _assert_same(got, full_stats([t], algorithm="host", **kw).decode())
+    kept = [k for k in full_triton._PARTIALS if k[3] == 1]
+    assert kept, "a one-tile call's buffers are kept"
+    for n in range(full_triton.PARTIALS_KEPT + 3):  # more shapes than are kept
+        full_stats([torch.randn(3 + n, 5, generator=gen).to(DEVICE)], algorithm="triton", **kw)
+    assert len(full_triton._PARTIALS) <= full_triton.PARTIALS_KEPT
+    assert all(k[3] <= full_triton.PARTIALS_MAX_TILES for k in full_triton._PARTIALS)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_every_dtype_and_no_scale(dtype):
     gen = torch.Generator().manual_seed(2)

@@ -48,6 +48,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -56,8 +58,10 @@ import triton
 import triton.language as tl
 
 RB, CB = 8, 128      # a block of a program: rows x columns of a tensor's 2-D view, held in registers;
-                     # 1024 elements: of 1024, 2048 and 4096 the fastest on an H200
-                     # (benchmarks/results/stats_kernels_h200_2026-11-26.json)
+                     # 1024 elements: of 1024, 2048 and 4096 the fastest on an H200, and of 8 shapes
+                     # the fastest with 4 warps on an H100 (benchmarks/results/stats_kernels_h*.json)
+TILE_WARPS = 4       # warps of a tile program: 4 read GPT-2's gradients 17% faster than 8 on an H100
+                     # (benchmarks/results/stats_kernels_h100_2026-11-26.json)
 MIN_TILE = 1 << 14   # elements per tile (one program), unless a call is large
 MAX_TILES = 1 << 13  # tiles a call aims for at most (plus one partial tile per tensor): the
                      # partial results are ~300 bytes per tile, so ~2.5 MiB at most, whatever the model
@@ -433,11 +437,7 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
     line_zeros = torch.empty(n_slots, dtype=torch.int64, device=device)
     nbins = max(2, 1 << (hist_bins - 1).bit_length())  # (triton.next_power_of_2: a slow constexpr function call)
     rows = max(n_tiles, 1)
-    partial_hist = torch.empty((rows, nbins), dtype=torch.int32, device=device)
-    partial_extra = torch.empty((rows, 8), dtype=torch.int32, device=device)
-    partial_amax = torch.empty(rows, dtype=torch.float32, device=device)
-    partial_amin = torch.empty(rows, dtype=torch.int32, device=device)
-    partial_sumsq = torch.empty(rows, dtype=torch.float64, device=device)
+    partial_hist, partial_extra, partial_amax, partial_amin, partial_sumsq = _partials(device, rows, nbins)
     scale = inv_scale if inv_scale is not None else amax  # any pointer: not read
     first_e = 127 + hist_min_exp
     with _on(device):
@@ -447,7 +447,7 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
                                      ESIZE=flat[0].element_size(), SINGLE=single, HAS_SCALE=inv_scale is not None,
                                      RB=RB, CB=CB, FIRST_E=first_e, LAST_BIN=hist_bins - 1, NBINS=nbins,
                                      WIDE=plan.wide, FOR_LOOP=not _INTERPRETED, BF16=dtype == torch.bfloat16,
-                                     num_warps=8)
+                                     num_warps=TILE_WARPS)
         _slot_kernel[(n_slots,)](first_tile, partial_hist, partial_extra, partial_amax, partial_amin, partial_sumsq,
                                  line_table, marks, len(flat), counts, amax, amin, sumsq, line_zeros,
                                  STRIDE=slot_stride, ABOVE_AT=above_at, ROWS=_SLOT_ROWS, FIRST_E=first_e,
@@ -455,6 +455,37 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
                                  FOR_LOOP=not _INTERPRETED, num_warps=4)
     del flat  # the copies of non-contiguous tensors are freed stream-ordered: the kernels have them
     return counts, amax, amin, sumsq, line_zeros
+
+
+_PARTIALS: OrderedDict = OrderedDict()  # (device, stream, thread, tiles, bins) -> the partial results' buffers
+PARTIALS_KEPT = 16         # sets kept (the most recently used), each of at most PARTIALS_MAX_TILES tiles
+PARTIALS_MAX_TILES = 4096  # ~1.2 MB a set at 64 bins: larger calls allocate theirs
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+
+
+def _partials(device: torch.device, rows: int, nbins: int) -> tuple[torch.Tensor, ...]:
+    """The buffers of the tiles' partial results for a call of ``rows`` tiles. Kernel 1 writes
+    them whole and kernel 2 reads them, in stream order, so one set serves every call of the same
+    shape on the same stream: five allocations fewer per call (3.5 µs of host time each on an
+    H100), most of what a module-sampled step's ~300 calls allocate. Kept per stream and thread
+    (two threads launching on one stream could interleave their two kernels). No sync."""
+    stream = _current_stream(device.index)[0] if device.type == "cuda" and _current_stream else 0
+    key = (device, stream, threading.get_ident(), rows, nbins)
+    held = _PARTIALS.get(key)
+    if held is None:
+        held = (torch.empty((rows, nbins), dtype=torch.int32, device=device),
+                torch.empty((rows, 8), dtype=torch.int32, device=device),
+                torch.empty(rows, dtype=torch.float32, device=device),
+                torch.empty(rows, dtype=torch.int32, device=device),
+                torch.empty(rows, dtype=torch.float64, device=device))
+        if rows > PARTIALS_MAX_TILES:
+            return held
+        _PARTIALS[key] = held
+        while len(_PARTIALS) > PARTIALS_KEPT:
+            _PARTIALS.popitem(last=False)
+    else:
+        _PARTIALS.move_to_end(key)
+    return held
 
 
 def _on(device: torch.device):
