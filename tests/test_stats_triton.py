@@ -77,8 +77,9 @@ def test_zero_lines_across_tiles_with_and_without_zeros(lines, dtype, monkeypatc
     """A tile with fewer zeros than a row (a column) of it has marks all its rows (columns) without
     reading them again; otherwise it reads its blocks again. Tensors of several tiles: a zero row
     inside one tile, a column zero in one tile's rows only (not a zero line: other tiles mark it),
-    a true zero column through every tile, a dense tensor, and a wide one (three column blocks a
-    tile) with a zero row, a zero column and scattered zeros."""
+    a true zero column through every tile, a dense tensor, a wide one (three column blocks a tile)
+    with a zero row, a zero column and scattered zeros, and one whose only zeros are a row and a
+    column: the zeros outside the zero row are exactly what a zero column takes."""
     from ampdoctor.stats import full_triton
 
     monkeypatch.setattr(full_triton, "MIN_TILE", 1024)  # 24 rows of 40 a tile: several tiles per tensor
@@ -95,21 +96,24 @@ def test_zero_lines_across_tiles_with_and_without_zeros(lines, dtype, monkeypatc
     wide[torch.rand(40, 300, generator=gen) < 0.01] = 0  # scattered: fewer than a row's, more than a column's
     wide[13] = 0
     wide[:, 257] = 0
-    tensors = [t.to(dtype) for t in (zero_row, partly_zero_column, zero_column, dense, wide)]
+    row_and_column = torch.randn(70, 40, generator=gen)  # the counting bound exactly: no zero but these
+    row_and_column[30] = 0
+    row_and_column[:, 5] = 0
+    tensors = [t.to(dtype) for t in (zero_row, partly_zero_column, zero_column, dense, wide, row_and_column)]
     try:
         for per_tensor in (True, False):
             kw = dict(inv_scale=None, subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor, lines=lines)
             expected = full_stats(tensors, algorithm="host", **kw).decode()
             got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton", **kw)
             plan = full_triton._plan(tuple(t.shape for t in tensors), per_tensor, lines)
-            assert plan.n_tiles >= 4 * 3 + 5, plan.n_tiles
+            assert plan.n_tiles >= 4 * 3 + 5 + 3, plan.n_tiles
             decoded = got.to_host(lambda t: t.cpu()).decode()
             _assert_same(decoded, expected, f"{lines} {per_tensor}", l2_rtol=1e-5)  # 12,000 elements a tensor
             if per_tensor:  # the truth, counted here: rows x columns of each tensor's 2-D view
                 views = [t.reshape(t.shape[0], -1) if lines == "rows" else t.reshape(-1, t.shape[-1])
                          for t in tensors]
                 truth = [int(((v == 0).all(1)[:, None] | (v == 0).all(0)[None, :]).sum()) for v in views]
-                assert truth[:3] == [40, 0, 70] and truth[4] == 300 + 40 - 1
+                assert truth[:3] == [40, 0, 70] and truth[4] == 300 + 40 - 1 and truth[5] == 40 + 70 - 1
                 np.testing.assert_array_equal(decoded.n_zero_lines, truth)
     finally:
         full_triton._plan.cache_clear()

@@ -118,11 +118,13 @@ def _mark_all(marks, n, rr, cc, RB: tl.constexpr, CB: tl.constexpr, FOR_LOOP: tl
 @triton.jit
 def _mark_rows(data, n_rows, n_cols, length, rr, cc, zeros, row_marks, RB: tl.constexpr, CB: tl.constexpr,
                BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """Mark the tile's rows that hold a nonzero element (NaN too, as in zero_line_elements). A row
-    of zeros takes ``n_cols`` of the tile's ``zeros``: with fewer, every row holds a nonzero, and all
-    are marked without reading the tile again. Otherwise each row block is read again (from cache:
-    it was just read), its column blocks folded together, and reduced across columns once."""
+    """Mark the tile's rows that hold a nonzero element (NaN too, as in zero_line_elements), and
+    return how many rows hold none. A row of zeros takes ``n_cols`` of the tile's ``zeros``: with
+    fewer, every row holds a nonzero, and all are marked without reading the tile again. Otherwise
+    each row block is read again (from cache: it was just read), its column blocks folded
+    together, and reduced across columns once."""
     col_blocks = tl.cdiv(n_cols, CB)
+    zero_rows = zeros * 0
     if zeros < n_cols:
         _mark_all(row_marks, n_rows, rr, cc, RB, CB, FOR_LOOP)
     elif FOR_LOOP:
@@ -132,7 +134,9 @@ def _mark_rows(data, n_rows, n_cols, length, rr, cc, zeros, row_marks, RB: tl.co
                 rows, cols, scaled = _magnitudes(data, rb, cb, n_rows, n_cols, length, rr, cc, RB, CB,
                                                  BF16)
                 seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
-            tl.store(row_marks + rb * RB + rr, 1, mask=tl.max(seen, axis=1) > 0)
+            held = tl.max(seen, axis=1)
+            tl.store(row_marks + rb * RB + rr, 1, mask=held > 0)
+            zero_rows += tl.sum(((held == 0) & (rb * RB + rr < n_rows)).to(tl.int32), axis=0)
     else:
         rb = n_rows * 0
         while rb < tl.cdiv(n_rows, RB):
@@ -143,18 +147,23 @@ def _mark_rows(data, n_rows, n_cols, length, rr, cc, zeros, row_marks, RB: tl.co
                                                  BF16)
                 seen = tl.maximum(seen, (scaled != 0.0).to(tl.int32))
                 cb += 1
-            tl.store(row_marks + rb * RB + rr, 1, mask=tl.max(seen, axis=1) > 0)
+            held = tl.max(seen, axis=1)
+            tl.store(row_marks + rb * RB + rr, 1, mask=held > 0)
+            zero_rows += tl.sum(((held == 0) & (rb * RB + rr < n_rows)).to(tl.int32), axis=0)
             rb += 1
+    return zero_rows
 
 
 @triton.jit
-def _mark_columns(data, n_rows, n_cols, length, rr, cc, zeros, col_marks, RB: tl.constexpr, CB: tl.constexpr,
-                  BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """The same for the columns: a column of zeros within the tile takes its ``n_rows`` zeros; the
-    columns hold the tile's rows only, so a column is marked if any tile finds a nonzero in it.
+def _mark_columns(data, n_rows, n_cols, length, rr, cc, zeros, needed, col_marks, RB: tl.constexpr,
+                  CB: tl.constexpr, BF16: tl.constexpr, FOR_LOOP: tl.constexpr):
+    """The same for the columns, which hold the tile's rows only (a column is marked if any tile
+    finds a nonzero in it). A column of zeros takes ``needed`` of ``zeros``: the tile's rows that
+    are not zero rows, against the zeros outside those rows. With fewer, all columns are marked
+    without reading (an embedding's rows of unused tokens do not make its columns read again).
     Otherwise each column block is read again, its row blocks folded, and reduced across rows once."""
     col_blocks = tl.cdiv(n_cols, CB)
-    if zeros < n_rows:
+    if zeros < needed:
         _mark_all(col_marks, n_cols, rr, cc, RB, CB, FOR_LOOP)
     elif FOR_LOOP:
         for cb in range(0, col_blocks):
@@ -279,9 +288,13 @@ def _tile_kernel(tiles, addresses, single, inv_scale, hist_out, extra_out, amax_
             b += 1
     padding = (blocks * (RB * CB) - length).to(tl.int32)
     n_zero = tl.sum(tl.sum(zeros, axis=1), axis=0)
-    if marks_on:  # (zeros of the tile itself: its padding lanes read 0)
-        _mark_rows(data, n_rows, n_cols, length, rr, cc, n_zero - padding, row_marks, RB, CB, BF16, FOR_LOOP)
-        _mark_columns(data, n_rows, n_cols, length, rr, cc, n_zero - padding, col_marks, RB, CB, BF16, FOR_LOOP)
+    if marks_on:
+        # The tile's own zeros (its padding lanes read 0), counted in 64 bits: a tile past 2**31
+        # elements (WIDE) must not wrap to a count that would skip its zero lines.
+        here = tl.sum(tl.sum(zeros.to(tl.int64), axis=1), axis=0) - (blocks * (RB * CB) - length).to(tl.int64)
+        zero_rows = _mark_rows(data, n_rows, n_cols, length, rr, cc, here, row_marks, RB, CB, BF16, FOR_LOOP)
+        _mark_columns(data, n_rows, n_cols, length, rr, cc, here - zero_rows * n_cols, n_rows - zero_rows, col_marks,
+                      RB, CB, BF16, FOR_LOOP)
     n_nonfinite = tl.sum(tl.sum(nonfinite, axis=1), axis=0)
     bins = tl.arange(0, NBINS)
     hist -= tl.where(bins == 0, padding, 0) + tl.where(bins == LAST_BIN, n_nonfinite, 0)
