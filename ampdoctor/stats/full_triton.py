@@ -21,13 +21,13 @@ the non-finite elements and the quiet NaNs among them, the largest finite magnit
 nonzero one (as bits) and the sum of squares in float64; then it marks each row and column of the
 tile that holds a nonzero element (plain stores of 1: a benign race). A row of zeros takes as many
 of the tile's zeros as it has columns, a column of zeros (within the tile) as many as the tile has
-rows: a tile with fewer zeros than that (a dense gradient, or one with scattered zeros) marks all
-its rows, or all its columns, at once without reading them again. Only otherwise (an embedding's
-rows of unused tokens, a ReLU's output) does it read its blocks again, from cache, folding them
-per row block (or column block) and reducing once per block row (or column). (Marks made in the one pass per element doubled the
-kernel's time on an H200, benchmarks/results/stats_kernels_h200_2026-11-26.json; per block they
-cost two cross-warp reductions a block.) Kernel 2
-(:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order, fills the
+rows outside its zero rows: a tile with fewer zeros than that (a dense gradient, or one with
+scattered zeros) marks all its rows, or all its columns, at once without reading them again. Only
+otherwise (an embedding's rows of unused tokens, a ReLU's output) does it read its blocks again,
+from cache, folding them per row block (or column block) and reducing once per row block (or
+column block). (Marks made in the one pass per element doubled the kernel's time on an H200,
+benchmarks/results/stats_kernels_h200_2026-11-26.json; per block they cost two cross-warp
+reductions a block.) Kernel 2 (:func:`_slot_kernel`), one program per slot, adds the tiles of its slot in order, fills the
 slot's row of ``FullStats.counts`` (each histogram bin's count under the code of a binade in that
 bin, the first, which :meth:`~.full.FullStats.decode` maps back to the same bin; the inf and NaN
 codes) and counts the elements of its tensors' unmarked lines. The element judgements are those
