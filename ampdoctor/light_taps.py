@@ -28,7 +28,7 @@ import torch
 from .call_graph import ModuleCall
 from .formats import dtype_name
 from .records import FlightStep, TapObservation
-from .stats import extremes
+from .stats import extremes, peaks_of_pairs
 
 FIELDS = 7          # entries per tensor in a flat list: kind, call, order, torch dtype, numel, min, max
 _LOW, _HIGH = 5, 6  # the extremes' places; None once the step's peaks are made from them
@@ -105,10 +105,9 @@ class LightTaps:
             stacked.append(_stack(pairs, device))
             group[_LOW::FIELDS] = group[_HIGH::FIELDS] = [None] * len(lows)  # the step does not keep them
             flat += group
-        # (cat promotes to the widest dtype; the largest magnitude is at one end of a pair)
+        # (cat promotes to the widest dtype)
         values = stacked[0] if len(stacked) == 1 else torch.cat([v.to(device, non_blocking=True) for v in stacked])
-        peaks = values.to(torch.float32).view(-1, 2).abs().amax(dim=1)
-        return FlightStep(step, flat, peaks, None)
+        return FlightStep(step, flat, peaks_of_pairs(values), None)
 
 
 def _stack(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -45,6 +45,7 @@ from ampdoctor import stats
 
 from host_cost import OpCounter  # noqa: E402 - this script's folder is on sys.path when it is run
 from overhead import package_provenance  # noqa: E402
+from step_profile import kernel_events  # noqa: E402
 
 SCALE = 2.0**16          # torch's default initial loss scale
 SUBNORMAL_BELOW = 6.1035e-05  # fp16's smallest normal
@@ -145,9 +146,10 @@ def count_kernels(fn) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    memory = sum(e.name.startswith(("Memcpy", "Memset")) for e in device_events)
-    return {"kernels": len(device_events) - memory, "memcpy_memset": memory}
+    events = prof.events()
+    memory = sum(e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith(("Memcpy", "Memset"))
+                 for e in events)
+    return {"kernels": len(kernel_events(events)), "memcpy_memset": memory}
 
 
 # -- the reference bandwidths ----------------------------------------------------------------------

@@ -42,6 +42,15 @@ def _assert_same(got: HostStats, expected: HostStats, context: str = "", l2_rtol
             np.testing.assert_array_equal(a, b, err_msg=f"{field} {context}")
 
 
+def _triton_and_host(tensors, **kw) -> tuple[HostStats, HostStats]:
+    """The statistics of ``tensors`` by the triton algorithm (on DEVICE, as the host sees them
+    after the copy) and by the host algorithm (on the CPU): what every test here compares."""
+    inv = kw.get("inv_scale")
+    got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
+                     **{**kw, "inv_scale": None if inv is None else inv.to(DEVICE)})
+    return got.to_host(lambda t: t.cpu()).decode(), full_stats(tensors, algorithm="host", **kw).decode()
+
+
 def _shaped_tensors(gen):
     a = torch.randn(6, 5, 4, generator=gen)
     a[1] = 0            # a zero row
@@ -65,10 +74,7 @@ def test_zero_lines_and_histogram_geometries_equal_the_host_algorithm(lines, geo
     min_exp, bins = geometry
     kw = dict(inv_scale=torch.tensor(2.0**-7), subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor,
               lines=lines, hist_min_exp=min_exp, hist_bins=bins)
-    expected = full_stats(tensors, algorithm="host", **kw).decode()
-    got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
-                     **{**kw, "inv_scale": kw["inv_scale"].to(DEVICE)})
-    _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{lines} {geometry} {per_tensor}")
+    _assert_same(*_triton_and_host(tensors, **kw), f"{lines} {geometry} {per_tensor}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,11 +109,9 @@ def test_zero_lines_across_tiles_with_and_without_zeros(lines, dtype, monkeypatc
     try:
         for per_tensor in (True, False):
             kw = dict(inv_scale=None, subnormal_below=FLOAT16.smallest_normal, per_tensor=per_tensor, lines=lines)
-            expected = full_stats(tensors, algorithm="host", **kw).decode()
-            got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton", **kw)
+            decoded, expected = _triton_and_host(tensors, **kw)
             plan = full_triton._plan(tuple(t.shape for t in tensors), per_tensor, lines)
             assert plan.n_tiles >= 4 * 3 + 5 + 3, plan.n_tiles
-            decoded = got.to_host(lambda t: t.cpu()).decode()
             _assert_same(decoded, expected, f"{lines} {per_tensor}", l2_rtol=1e-5)  # 12,000 elements a tensor
             if per_tensor:  # the truth, counted here: rows x columns of each tensor's 2-D view
                 views = [t.reshape(t.shape[0], -1) if lines == "rows" else t.reshape(-1, t.shape[-1])
@@ -135,10 +139,7 @@ def test_tiles_of_several_row_and_column_blocks(lines):
     for tensors in ([a], [a, b]):
         kw = dict(inv_scale=torch.tensor(2.0**-3), subnormal_below=FLOAT16.smallest_normal, per_tensor=True,
                   lines=lines)
-        expected = full_stats(tensors, algorithm="host", **kw).decode()
-        got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
-                         **{**kw, "inv_scale": kw["inv_scale"].to(DEVICE)})
-        _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{lines} {len(tensors)}", l2_rtol=1e-5)
+        _assert_same(*_triton_and_host(tensors, **kw), f"{lines} {len(tensors)}", l2_rtol=1e-5)
 
 
 def test_partial_buffers_are_reused_by_calls_of_the_same_shape_and_bounded():
@@ -151,10 +152,8 @@ def test_partial_buffers_are_reused_by_calls_of_the_same_shape_and_bounded():
     kw = dict(inv_scale=None, subnormal_below=FLOAT16.smallest_normal, lines="features")
     first, second = torch.randn(20, 30, generator=gen), torch.randn(20, 30, generator=gen) * 1e-3
     second[3] = 0
-    results = [full_stats([t.to(DEVICE)], algorithm="triton", **kw).to_host(lambda t: t.cpu()).decode()
-               for t in (first, second)]
-    for got, t in zip(results, (first, second)):
-        _assert_same(got, full_stats([t], algorithm="host", **kw).decode())
+    for t in (first, second):
+        _assert_same(*_triton_and_host([t], **kw))
     kept = [k for k in full_triton._PARTIALS if k[3] == 1]
     assert kept, "a one-tile call's buffers are kept"
     for n in range(full_triton.PARTIALS_KEPT + 3):  # more shapes than are kept
@@ -171,10 +170,7 @@ def test_every_dtype_and_no_scale(dtype):
     fmt = BFLOAT16 if dtype == torch.bfloat16 else FLOAT16
     for inv in (None, torch.tensor(2.0**-12)):
         kw = dict(inv_scale=inv, subnormal_below=fmt.smallest_normal)
-        expected = full_stats(tensors, algorithm="host", **kw).decode()
-        got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
-                         **{**kw, "inv_scale": None if inv is None else inv.to(DEVICE)})
-        _assert_same(got.to_host(lambda t: t.cpu()).decode(), expected, f"{dtype} {inv}")
+        _assert_same(*_triton_and_host(tensors, **kw), f"{dtype} {inv}")
 
 
 def test_host_side_ops_do_not_grow_with_the_tensors():
@@ -250,9 +246,6 @@ def test_a_collapsed_scale_is_clamped_in_the_kernel():
     algorithms clamp it before the pass; the kernel clamps it as it loads it."""
     tensors = [torch.tensor([0.0, 1e-3, -2.0, 0.0]), torch.tensor([0.0])]
     kw = dict(inv_scale=torch.tensor(math.inf), subnormal_below=FLOAT16.smallest_normal)
-    expected = full_stats(tensors, algorithm="host", **kw).decode()
-    got = full_stats([t.to(DEVICE) for t in tensors], algorithm="triton",
-                     **{**kw, "inv_scale": kw["inv_scale"].to(DEVICE)})
-    decoded = got.to_host(lambda t: t.cpu()).decode()
+    decoded, expected = _triton_and_host(tensors, **kw)
     _assert_same(decoded, expected)
     assert decoded.n_nan.sum() == 0 and decoded.n_zero.tolist() == [2, 1]

@@ -107,9 +107,14 @@ def extremes(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def peaks_from_extremes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """float32 ``[len(pairs)]``: the peak of each tensor from its :func:`extremes` (the largest
-    magnitude is at one end). A few launches for all pairs together; no sync."""
-    values = torch.stack([v.to(device, non_blocking=True) for pair in pairs for v in pair])
+    """float32 ``[len(pairs)]``: the peak of each tensor from its :func:`extremes`. A few
+    launches for all pairs together; no sync."""
+    return peaks_of_pairs(torch.stack([v.to(device, non_blocking=True) for pair in pairs for v in pair]))
+
+
+def peaks_of_pairs(values: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n]`` from ``values`` ``[2n]``, :func:`extremes` pairs one after the other: the
+    peak of each pair's tensor (its largest magnitude is at one end). No sync."""
     return values.to(torch.float32).view(-1, 2).abs().amax(dim=1)
 
 
