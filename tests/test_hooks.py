@@ -142,6 +142,49 @@ def test_a_tensor_two_modules_return_is_reduced_once_with_the_same_rows(tmp_path
         assert rows.loc[ROOT_NAME, stats[1:]].tolist() == rows.loc["head", stats[1:]].tolist()
 
 
+def test_a_transformers_gpt2s_logits_are_reduced_once_with_the_same_rows(tmp_path, monkeypatch):
+    """A third-party model: transformers' GPT-2 returns its lm_head's logits inside its output
+    (checked here with a hook of the test's own). With the repeat reused, the rows of every module
+    sampled step are those of each tensor reduced anew, with fewer full_stats calls."""
+    pytest.importorskip("transformers")
+    import architectures
+    from ampdoctor import light_taps, recorder
+
+    arch = architectures.build("gpt2")
+    seen = []
+    handle = arch.model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out))
+    assert arch.model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits is seen[0]
+    handle.remove()
+
+    frames, calls = [], []
+    real = recorder.full_stats
+    monkeypatch.setattr(recorder, "full_stats", lambda tensors, **kw: calls.append(kw.get("lines")) or real(tensors, **kw))
+    for reuse in (True, False):
+        if not reuse:
+            monkeypatch.setattr(light_taps.Repeat, "of", lambda self, tensor, compute: compute(tensor))
+        calls.clear()
+        arch = architectures.build("gpt2")
+        path = tmp_path / f"{reuse}.parquet"
+        opt = torch.optim.SGD(arch.model.parameters(), lr=0.01)
+        with ampdoctor.GradScaler("cpu", model=arch.model, path=path, level="full", every=1, module_every=1,
+                                  init_scale=2.0**8) as scaler:
+            for step in range(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = arch.loss(arch.model, step)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+        frame = ampdoctor.load(path)
+        frames.append((frame[frame.kind.isin(["output", "grad_output"])].sort_values(["step", "kind", "order"])
+                       .reset_index(drop=True), calls.count("features")))
+    (reused, n_reused), (anew, n_anew) = frames
+    assert n_anew == len(anew) and n_reused <= n_anew - 2 * 2  # the logits, forward and backward, each step
+    stats = ["step", "name", "numel", "amax", "amin", "n_zero", "n_nan", "n_inf", "l2"]
+    assert reused[stats].equals(anew[stats])
+    assert all(list(a) == list(b) for a, b in zip(reused["hist"], anew["hist"]))
+
+
 def pd_isnull(value):
     return value is None or (isinstance(value, float) and np.isnan(value))
 
