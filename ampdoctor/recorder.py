@@ -43,7 +43,7 @@ from .records import GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObserv
 from .rows import materialize
 from .run_identity import env_run_id, rank_and_world, shared_run_id
 from .run_metadata import RunMetadata
-from .stats import SlotLayouts, full_stats, light_stats, tensor_peaks
+from .stats import SlotLayouts, full_stats, light_stats, stats_to_host, tensor_peaks
 from .transfer import HostCopies
 from .writer import RunWriter
 
@@ -416,8 +416,9 @@ class Recorder:
         flight_step = self._light_taps.flight_step(self.step)
         copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
         record.scalars = copy(scalars) if scalars is not None else None
-        for item in (*record.groups, *record.taps):
-            item.stats = item.stats.to_host(copy)
+        items = (*record.groups, *record.taps)
+        for item, stats in zip(items, stats_to_host([item.stats for item in items], copy)):
+            item.stats = stats  # (one copy for all the packed statistics of a device)
         if record.params is not None:
             record.params.peaks = copy(record.params.peaks)
         record.event = self._copies.seal()

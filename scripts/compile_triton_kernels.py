@@ -25,8 +25,8 @@ from ampdoctor.stats import full_triton as ft  # noqa: E402
 TILE = {"tiles": "*i64", "addresses": "*i64", "single": "*fp32", "inv_scale": "*fp32", "hist_out": "*i32", "extra_out": "*i32", "amax_out": "*fp32",
         "amin_out": "*i32", "sumsq_out": "*fp64", "marks": "*u8", "threshold": "fp32"}
 SLOT = {"first": "*i64", "hist_in": "*i32", "extra_in": "*i32", "amax_in": "*fp32", "amin_in": "*i32",
-        "sumsq_in": "*fp64", "lines": "*i64", "marks": "*u8", "n_tensors": "i32", "counts": "*i64", "amax": "*fp32",
-        "amin": "*i32", "sumsq": "*fp64", "line_zeros": "*i64"}
+        "sumsq_in": "*fp64", "lines": "*i64", "marks": "*u8", "n_tensors": "i32", "results": "*u8", "amax_at": "i32",
+        "amin_at": "i32", "sumsq_at": "i32", "line_zeros_at": "i32"}
 
 
 def variants():

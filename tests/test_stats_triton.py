@@ -193,8 +193,53 @@ def test_host_side_ops_do_not_grow_with_the_tensors():
                     patch.setattr(full_triton, name, Stub())
             full_stats(tensors, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal, algorithm="triton")
         totals.append(counter.launches - counter.ops["empty"])  # allocations launch nothing
+        with OpCounter() as counter, pytest.MonkeyPatch.context() as patch:  # a second call of these shapes
+            if DEVICE == "cpu":
+                for name in ("_tile_kernel", "_slot_kernel"):
+                    patch.setattr(full_triton, name, Stub())
+            full_stats(tensors, inv_scale=inv, subnormal_below=FLOAT16.smallest_normal, algorithm="triton")
+        # One allocation a call (the packed results and the marks; the partial buffers are kept),
+        # on a GPU a second for the addresses' copy.
+        assert counter.ops["empty"] + counter.ops["zeros"] <= 2, counter.ops
     # the memset, and on a GPU the addresses' copy (the table is copied once)
     assert totals[0] == totals[1] and totals[0] <= 2, totals
+
+
+def test_results_are_packed_and_a_step_copies_each_devices_at_once():
+    """A call's five results lie in one byte buffer; :func:`stats_to_host` copies the packed
+    results of many calls with one copy (after one ``cat``), the others as before, a repeated
+    object once; and each decodes to what it decodes to copied alone."""
+    from ampdoctor.stats import FullStats, light_stats, stats_to_host
+
+    gen = torch.Generator().manual_seed(3)
+    kw = dict(inv_scale=torch.tensor(2.0**-4, device=DEVICE), subnormal_below=FLOAT16.smallest_normal)
+    tensors = [torch.randn(5, 7, generator=gen), torch.randn(40, generator=gen) * 1e-5, torch.randn(2, 3, 4, generator=gen)]
+    tensors[0][2] = 0
+    packed = [full_stats([t.to(DEVICE)], algorithm="triton", **kw) for t in tensors]
+    packed.append(full_stats([t.to(DEVICE) for t in tensors[:2]], algorithm="triton", per_tensor=False, **kw))
+    assert all(s.packed is not None and s.counts is None and s.packed.dtype == torch.uint8 for s in packed)
+    host_one = full_stats([tensors[0]], algorithm="host", **{**kw, "inv_scale": kw["inv_scale"].cpu()})
+    light = light_stats([tensors[1]], inv_scale=None)
+    items = [packed[0], packed[1], packed[0], host_one, packed[2], light, packed[3]]
+
+    copied = []
+
+    def copy(t):
+        copied.append(tuple(t.shape))
+        return t.cpu().clone()
+
+    out = stats_to_host(items, copy)
+    n_packed = sum(s.packed.numel() for s in packed)
+    assert sorted(copied) == sorted([(n_packed,)] + [tuple(t.shape) for t in (
+        host_one.counts, host_one.amax, host_one.amin_code, host_one.sumsq, host_one.line_zeros, light.peaks, light.norms)])
+    assert out[2] is out[0]
+    for got, item in zip(out, items):
+        if isinstance(item, FullStats):
+            _assert_same(got.decode(), item.to_host(lambda t: t.cpu()).decode())
+    for got, t in zip((out[0], out[1], out[4]), tensors):  # and what the host algorithm finds
+        _assert_same(got.decode(), full_stats([t], algorithm="host", **{**kw, "inv_scale": kw["inv_scale"].cpu()}).decode())
+    np.testing.assert_array_equal(out[5].decode().amax, light.to_host(lambda t: t.cpu()).decode().amax)
+    assert stats_to_host([packed[1]], copy)[0].packed.numel() == packed[1].packed.numel()  # alone: no cat
 
 
 def test_a_failing_triton_falls_back_to_the_torch_algorithm_with_one_warning(monkeypatch):
@@ -249,3 +294,47 @@ def test_a_collapsed_scale_is_clamped_in_the_kernel():
     decoded, expected = _triton_and_host(tensors, **kw)
     _assert_same(decoded, expected)
     assert decoded.n_nan.sum() == 0 and decoded.n_zero.tolist() == [2, 1]
+
+
+def test_a_module_sampled_step_with_the_triton_algorithm_copies_its_statistics_at_once(tmp_path, monkeypatch):
+    """Whole runs at ``level="full"``, every step module-sampled, with the triton algorithm
+    (interpreted, on CPU tensors) and with the host one: the same rows; and the triton run copies
+    a step's module statistics, whatever their number, with one copy."""
+    import ampdoctor
+    from ampdoctor import recorder as recorder_module
+
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
+    frames, copies = {}, {}
+    for algorithm in ("host", "triton"):
+        monkeypatch.setattr(algorithms_module, "algorithm_for", lambda device, full=False, a=algorithm: a if full else "host")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        path = tmp_path / f"{algorithm}.parquet"
+        counted = copies[algorithm] = []
+        with ampdoctor.GradScaler("cpu", model=model, path=path, level="full", every=1, module_every=1,
+                                  init_scale=2.0**6) as scaler:
+            real = scaler.recorder._copies.to_host
+            monkeypatch.setattr(scaler.recorder._copies, "to_host", lambda t: counted.append(t.dtype) or real(t))
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+        frame = ampdoctor.load(path)
+        frames[algorithm] = frame[frame.kind.isin(["output", "grad_output"])].sort_values(
+            ["step", "kind", "order"]).reset_index(drop=True)
+    host, tri = frames["host"], frames["triton"]
+    assert len(tri) == 2 * 2 * 5 and (tri.n_zero > 0).any()  # (the ReLUs' zeros)
+    stats = ["step", "name", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines"]
+    assert tri[stats].equals(host[stats])
+    np.testing.assert_allclose(tri.l2, host.l2, rtol=1e-6)
+    assert all(list(a) == list(b) for a, b in zip(tri["hist"], host["hist"]))
+    # Per step: the scalars, the gradients' packed statistics and the taps' in one uint8 copy
+    # (host: five copies per tap, and per gradient group).
+    assert copies["triton"].count(torch.uint8) == 2, copies["triton"]
+    assert len(copies["host"]) - len(copies["triton"]) >= 2 * (5 * 2 * 5 - 1)

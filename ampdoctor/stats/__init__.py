@@ -18,10 +18,11 @@ slot (:class:`HostStats`, :mod:`.host_stats`).
 """
 
 from .algorithms import ALGORITHMS, FULL_ALGORITHMS, algorithm_for
-from .full import CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS, FullStats, SlotLayouts, full_stats, zero_line_elements
+from .full import (CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS, FullStats, SlotLayouts, full_stats, stats_to_host,
+                   zero_line_elements)
 from .host_stats import HostStats
 from .light import LightStats, extremes, light_stats, peaks_from_extremes, peaks_of_pairs, tensor_peaks
 
 __all__ = ["ALGORITHMS", "FULL_ALGORITHMS", "algorithm_for", "CHUNK_ELEMENTS", "CPU_CHUNK_ELEMENTS", "FullStats", "SlotLayouts",
-           "full_stats", "zero_line_elements", "HostStats", "LightStats", "extremes", "light_stats",
+           "full_stats", "stats_to_host", "zero_line_elements", "HostStats", "LightStats", "extremes", "light_stats",
            "peaks_from_extremes", "peaks_of_pairs", "tensor_peaks"]

@@ -39,6 +39,7 @@ import torch
 
 from ..schema import HIST_BINS, HIST_MIN_EXP
 from .algorithms import choose_algorithm, rescaled_norm
+from .packed import arrays as packed_arrays
 from .host_stats import HostStats, to_float32
 
 CHUNK_ELEMENTS = 1 << 21  # bounds the accelerator algorithm's temporaries: ~28 bytes per element, ~56 MiB
@@ -60,48 +61,99 @@ Chunks = Iterator[tuple[list[torch.Tensor], list[tuple[int, int, int]]]]  # (vie
 @dataclass
 class FullStats:
     """Raw per-slot results of :func:`full_stats`, still on the device (or the host buffers
-    they were copied into)."""
+    they were copied into): either five tensors, or (the triton algorithm) one byte buffer that
+    holds them (:mod:`.packed`), whose fields are then None."""
 
-    counts: torch.Tensor     # int64 [slots * SLOT_STRIDE]: codes, n_zero, n_below_normal
-    amax: torch.Tensor       # float32 [slots]: the largest finite magnitude
-    amin_code: torch.Tensor  # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
-    sumsq: torch.Tensor      # float64 [slots]: sum of squares of finite unscaled values (host: float32
-                             # partial sums rescaled by a power of two; accelerator: float64 sums)
-    line_zeros: torch.Tensor  # int64 [slots]: zeros lying in an all-zero row or column (zero_line_elements)
+    counts: torch.Tensor | None      # int64 [slots * SLOT_STRIDE]: codes, n_zero, n_below_normal
+    amax: torch.Tensor | None        # float32 [slots]: the largest finite magnitude
+    amin_code: torch.Tensor | None   # int32 [slots]: smallest (bits - 1) & _ABS_MASK (see _NO_AMIN)
+    sumsq: torch.Tensor | None       # float64 [slots]: sum of squares of finite unscaled values (host: float32
+                                     # partial sums rescaled by a power of two; accelerator: float64 sums)
+    line_zeros: torch.Tensor | None  # int64 [slots]: zeros lying in an all-zero row or column (zero_line_elements)
     hist_min_exp: int
     bins: int
+    packed: torch.Tensor | None = None  # uint8: the five fields in packed.layout, from byte packed_at on
+    packed_at: int = 0
+    n_slots: int = 0                    # (of a packed buffer)
+
+    @classmethod
+    def of_packed(cls, buffer: torch.Tensor, n_slots: int, hist_min_exp: int, bins: int, at: int = 0) -> "FullStats":
+        return cls(None, None, None, None, None, hist_min_exp, bins, buffer, at, n_slots)
 
     @property
     def device(self) -> torch.device:
-        return self.counts.device
+        return (self.packed if self.packed is not None else self.counts).device
 
     def to_host(self, copy) -> "FullStats":
         """The same statistics, each tensor passed through ``copy`` (a
-        :meth:`ampdoctor.transfer.HostCopies.to_host`)."""
+        :meth:`ampdoctor.transfer.HostCopies.to_host`): one copy when packed, else five.
+        :func:`stats_to_host` copies many at once."""
+        if self.packed is not None:
+            return FullStats.of_packed(copy(self.packed), self.n_slots, self.hist_min_exp, self.bins, self.packed_at)
         return FullStats(copy(self.counts), copy(self.amax), copy(self.amin_code), copy(self.sumsq),
                          copy(self.line_zeros), self.hist_min_exp, self.bins)
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """``(counts, amax, amin_code, sumsq, line_zeros)`` as numpy arrays. Host tensors only."""
+        if self.packed is not None:
+            return packed_arrays(self.packed.numpy()[self.packed_at:], self.n_slots, SLOT_STRIDE)
+        return tuple(t.numpy() for t in (self.counts, self.amax, self.amin_code, self.sumsq, self.line_zeros))
 
     def decode(self) -> HostStats:
         """The statistics of each slot as :class:`HostStats`. Host tensors only (the writer
         thread, once their fence has passed)."""
-        counts = self.counts.numpy().reshape(-1, SLOT_STRIDE)
+        counts, amax, amin_code, sumsq, line_zeros = self._arrays()
+        counts = counts.reshape(-1, SLOT_STRIDE)
         codes = counts[:, :_CODES].reshape(-1, 256, 2)            # [slot, exponent field, mantissa bit]
         n_zero = counts[:, _ZERO].copy()
         finite = codes[:, :255].sum(axis=2)                        # per exponent field
         finite[:, 0] -= n_zero                                     # zeros are exponent 0, not a binade
-        amin_code = self.amin_code.numpy()
         amin = np.where(amin_code >= _NO_AMIN, np.int32(0x7FC00000), amin_code + 1).astype(np.int32)
         return HostStats(
-            amax=self.amax.numpy().copy(),
+            amax=amax.copy(),
             amin=amin.view(np.float32),
-            l2=to_float32(np.sqrt(self.sumsq.numpy())),
+            l2=to_float32(np.sqrt(sumsq)),
             n_zero=n_zero,
             n_subnormal=counts[:, _BELOW].copy(),
             n_nan=codes[:, 255, 1].copy(),
             n_inf=codes[:, 255, 0].copy(),
             hist=finite @ _binade_to_bin(self.hist_min_exp, self.bins),  # int64
-            n_zero_lines=self.line_zeros.numpy().astype(np.float64),
+            n_zero_lines=line_zeros.astype(np.float64),
         )
+
+
+def stats_to_host(stats: Sequence, copy) -> list:
+    """Each of ``stats`` (:class:`FullStats`, or anything with a ``to_host(copy)``) passed to the
+    host through ``copy``, in order; the same object twice (a repeated tap) is copied once. The
+    packed :class:`FullStats` of each device are concatenated there and copied together: one
+    ``cat`` and one copy for a module-sampled step's few hundred calls. No sync."""
+    out: list = [None] * len(stats)
+    first: dict[int, int] = {}
+    packs: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(stats):
+        if id(s) in first:
+            continue
+        first[id(s)] = i
+        if isinstance(s, FullStats) and s.packed is not None:
+            packs.setdefault(s.device, []).append(i)
+        else:
+            out[i] = s.to_host(copy)
+    for members in packs.values():
+        if len(members) == 1:
+            out[members[0]] = stats[members[0]].to_host(copy)
+            continue
+        parts = [stats[i].packed.narrow(0, stats[i].packed_at, stats[i].packed.numel() - stats[i].packed_at)
+                 if stats[i].packed_at else stats[i].packed for i in members]
+        host = copy(torch.cat(parts))
+        at = 0
+        for i, part in zip(members, parts):
+            s = stats[i]
+            out[i] = FullStats.of_packed(host, s.n_slots, s.hist_min_exp, s.bins, at)
+            at += part.numel()
+    for i, s in enumerate(stats):
+        if out[i] is None:
+            out[i] = out[first[id(s)]]
+    return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -197,7 +249,7 @@ def full_stats(
             fields = _triton(tensors, inv_scale, _threshold(subnormal_below, tensors[0].dtype), per_tensor,
                              hist_min_exp, hist_bins, lines)
             if fields is not None:
-                return FullStats(*fields, hist_min_exp, hist_bins)
+                return FullStats.of_packed(*fields, hist_min_exp, hist_bins)
             algorithm = "accelerator"
         job = _Job.of(tensors, per_tensor, inv_scale, subnormal_below)
         line_zeros = _line_zeros(tensors, per_tensor, lines)
@@ -214,7 +266,7 @@ _TRITON_FAILED: list[str] = []  # why the triton algorithm stopped being used in
 
 def _triton(tensors: Sequence[torch.Tensor], inv_scale: torch.Tensor | None, threshold: float, per_tensor: bool,
             hist_min_exp: int, hist_bins: int, lines: str) -> tuple | None:
-    """The triton algorithm's ``(counts, amax, amin_code, sumsq, line_zeros)``, or None where it
+    """The triton algorithm's ``(buffer, slots)``: its results packed in one buffer (:mod:`.packed`), or None where it
     cannot run here (a Triton too old or broken to compile the kernels): then this process uses
     the accelerator algorithm from here on, after one warning, rather than stop recording.
     Compilation comes before any launch, so a failure leaves nothing half done."""

@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .packed import layout
+
 RB, CB = 8, 128      # a block of a program: rows x columns of a tensor's 2-D view, held in registers;
                      # 1024 elements: of 1024, 2048 and 4096 the fastest on an H200, and of 8 shapes
                      # the fastest with 4 warps on an H100 (benchmarks/results/stats_kernels_h*.json)
@@ -356,11 +358,17 @@ def _line_zeros(lines, marks, tensor, BLOCK: tl.constexpr, FOR_LOOP: tl.constexp
 
 
 @triton.jit
-def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, lines, marks, n_tensors, counts, amax, amin,
-                 sumsq, line_zeros, STRIDE: tl.constexpr, ABOVE_AT: tl.constexpr, ROWS: tl.constexpr,
+def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, lines, marks, n_tensors, results, amax_at,
+                 amin_at, sumsq_at, line_zeros_at, STRIDE: tl.constexpr, ABOVE_AT: tl.constexpr, ROWS: tl.constexpr,
                  FIRST_E: tl.constexpr, BINS: tl.constexpr, NBINS: tl.constexpr, PER_TENSOR: tl.constexpr,
                  LINE_BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
-    """One program per slot: its tiles' results added in tile order, and its tensors' zero lines."""
+    """One program per slot: its tiles' results added in tile order, and its tensors' zero lines,
+    written into the packed ``results`` (uint8: the fields at the given byte offsets)."""
+    counts = results.to(tl.pointer_type(tl.int64), bitcast=True)
+    amax = (results + amax_at).to(tl.pointer_type(tl.float32), bitcast=True)
+    amin = (results + amin_at).to(tl.pointer_type(tl.int32), bitcast=True)
+    sumsq = (results + sumsq_at).to(tl.pointer_type(tl.float64), bitcast=True)
+    line_zeros = (results + line_zeros_at).to(tl.pointer_type(tl.int64), bitcast=True)
     slot = tl.program_id(0)
     begin = tl.load(first + slot)
     end = tl.load(first + slot + 1)
@@ -421,11 +429,11 @@ def _slot_kernel(first, hist_in, extra_in, amax_in, amin_in, sumsq_in, lines, ma
 def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_scale: torch.Tensor | None,
                       threshold: float, hist_min_exp: int, hist_bins: int, lines: str, slot_stride: int,
                       above_at: int):
-    """``(counts, amax, amin_code, sumsq, line_zeros)`` of ``tensors`` as :class:`~.full.FullStats`
-    holds them (``slot_stride`` entries per slot: the codes, then above/below/zero from
-    ``above_at``; the histogram of ``hist_bins`` bins from binade ``hist_min_exp`` filed as
+    """``(buffer, slots)``: the results of ``tensors`` packed in one byte buffer as :mod:`.packed`
+    lays them out, ``counts`` as :class:`~.full.FullStats` holds them (``slot_stride`` entries per
+    slot: the codes, then above/below/zero from ``above_at``; the histogram of ``hist_bins`` bins from binade ``hist_min_exp`` filed as
     described in this module's docstring). ``inv_scale`` as torch's unscale_ takes it (a collapsed
-    scale's inf is clamped here). A memset and two launches; several tensors add a non-blocking
+    scale's inf is clamped here). One allocation, a memset and two launches; several tensors add a non-blocking
     copy of their addresses. Does not sync."""
     device, dtype = tensors[0].device, tensors[0].dtype
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -440,18 +448,15 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
         addresses, data = host.to(device, non_blocking=True), table
     n_tiles, n_slots = plan.n_tiles, plan.n_slots
 
-    # One zeroed buffer (one memset): the counts, then a byte per row and column of the 2-D views.
-    zeroed = torch.zeros(n_slots * slot_stride * 8 + max(plan.n_marks, 1), dtype=torch.uint8, device=device)
-    counts = zeroed.narrow(0, 0, n_slots * slot_stride * 8).view(torch.int64)
-    marks = zeroed.narrow(0, n_slots * slot_stride * 8, zeroed.numel() - n_slots * slot_stride * 8)
-    amax = torch.empty(n_slots, dtype=torch.float32, device=device)
-    amin = torch.empty(n_slots, dtype=torch.int32, device=device)
-    sumsq = torch.empty(n_slots, dtype=torch.float64, device=device)
-    line_zeros = torch.empty(n_slots, dtype=torch.int64, device=device)
+    # One zeroed buffer (one allocation, one memset): the results (packed.layout, written by kernel 2
+    # through typed pointers at these offsets), then a byte per row and column of the 2-D views.
+    at = layout(n_slots, slot_stride)
+    zeroed = torch.zeros(at.size + max(plan.n_marks, 1), dtype=torch.uint8, device=device)
+    marks = zeroed.narrow(0, at.size, zeroed.numel() - at.size)
     nbins = max(2, 1 << (hist_bins - 1).bit_length())  # (triton.next_power_of_2: a slow constexpr function call)
     rows = max(n_tiles, 1)
     partial_hist, partial_extra, partial_amax, partial_amin, partial_sumsq = _partials(device, rows, nbins)
-    scale = inv_scale if inv_scale is not None else amax  # any pointer: not read
+    scale = inv_scale if inv_scale is not None else partial_amax  # any float32 pointer: not read
     first_e = 127 + hist_min_exp
     with _on(device):
         if n_tiles:
@@ -462,12 +467,12 @@ def triton_full_stats(tensors: Sequence[torch.Tensor], *, per_tensor: bool, inv_
                                      WIDE=plan.wide, FOR_LOOP=not _INTERPRETED, BF16=dtype == torch.bfloat16,
                                      num_warps=TILE_WARPS)
         _slot_kernel[(n_slots,)](first_tile, partial_hist, partial_extra, partial_amax, partial_amin, partial_sumsq,
-                                 line_table, marks, len(flat), counts, amax, amin, sumsq, line_zeros,
+                                 line_table, marks, len(flat), zeroed, at.amax, at.amin_code, at.sumsq, at.line_zeros,
                                  STRIDE=slot_stride, ABOVE_AT=above_at, ROWS=_SLOT_ROWS, FIRST_E=first_e,
                                  BINS=hist_bins, NBINS=nbins, PER_TENSOR=per_tensor, LINE_BLOCK=_LINE_BLOCK,
                                  FOR_LOOP=not _INTERPRETED, num_warps=4)
     del flat  # the copies of non-contiguous tensors are freed stream-ordered: the kernels have them
-    return counts, amax, amin, sumsq, line_zeros
+    return zeroed.narrow(0, 0, at.size), n_slots
 
 
 _PARTIALS: OrderedDict = OrderedDict()  # (device, stream, thread, tiles, bins) -> the partial results' buffers
