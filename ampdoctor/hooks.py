@@ -199,6 +199,7 @@ class ModuleTaps:
         self._sink = sink
         self._handles: list[Any] = []
         self._on = False  # the module hooks are installed: node pre-hooks left on live nodes check it
+        self._stopped = False  # stop() was called: never on again
         self._graph = CallGraph()
         self.reset()
 
@@ -208,8 +209,9 @@ class ModuleTaps:
         return self._graph.calls
 
     def install(self) -> None:
-        """Register the module hooks (between iterations). Idempotent. No sync."""
-        if self._handles:
+        """Register the module hooks (between iterations). Idempotent; nothing after
+        :meth:`stop`. No sync."""
+        if self._handles or self._stopped:
             return
         try:
             for name, module in self.targets:
@@ -229,6 +231,13 @@ class ModuleTaps:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+
+    def stop(self) -> None:
+        """Make every hook return at once, for good, without touching the modules' hook
+        dictionaries: safe where :meth:`remove` is not (a garbage collector callback, which may
+        run while torch iterates them). The hooks stay installed until :meth:`remove`. No sync."""
+        self._on = False
+        self._stopped = True
 
     def reset(self, observe: Callable[[str, ModuleCall, int, torch.Tensor], None] | None = None) -> None:
         """Start a new step (between iterations, on the training thread): numbering restarts,

@@ -89,7 +89,9 @@ class Recorder:
         self._param_optimizers: weakref.WeakSet = weakref.WeakSet()  # for the check at the end
         self._last_param_check = start_step - 1  # the last step whose parameter check was queued
         self._stepped = False  # an optimizer stepped in the iteration in progress (no update() yet)
-        self._scaler_ref = weakref.ref(scaler)  # at exit: is this still the scaler's recorder?
+        # At exit: is this still the scaler's recorder? And a scaler dropped without close() stops
+        # the module taps, whose hooks on the model would otherwise keep this recorder recording.
+        self._scaler_ref = weakref.ref(scaler, _when_dropped(weakref.ref(self)))
         self._layouts = SlotLayouts()
         self._copies = HostCopies()
         self._reported = False  # a failure has been warned about (or raised)
@@ -448,6 +450,18 @@ class Recorder:
         self._remove_sniff()  # the autocast dtype is known after the first iteration or never
         self._plan_step()
 
+    def scaler_dropped(self) -> None:
+        """The scaler was garbage-collected without ``close()``: its model's hooks still hold this
+        recorder, and would record every forward and backward of the model from now on (at full
+        statistics forever if the scaler was dropped before its first ``update()``, whatever
+        scaler trains the model next). They return at once from now on; the run is finished at
+        exit, as an open run is. Called from the garbage collector, in any thread and at any
+        allocation, possibly while torch iterates the model's hook dictionaries: so it only sets
+        a flag (:meth:`ModuleTaps.stop`). No sync."""
+        taps = self._taps
+        if taps is not None:
+            taps.stop()
+
     def _taps_off(self, why: str) -> None:
         """Stop module taps for good (warning once); the rest of the recording goes on."""
         warnings.warn(f"ampdoctor: {why}. Module rows are off; recording continues at "
@@ -475,6 +489,15 @@ class Recorder:
     def _metadata(self) -> dict[str, str]:
         """The metadata of a segment written now (writer thread)."""
         return self._run_metadata(amp_dtype=self.amp_dtype, run_id=self.run_id, dropped_steps=self.dropped_steps)
+
+
+def _when_dropped(recorder: "weakref.ref[Recorder]"):
+    """The callback of a recorder's weak reference to its scaler (holding the recorder weakly)."""
+    def dropped(_: weakref.ref) -> None:
+        alive = recorder()
+        if alive is not None:
+            alive.scaler_dropped()
+    return dropped
 
 
 def _tensors(outputs) -> Iterable[torch.Tensor]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 import warnings
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -564,3 +566,43 @@ def test_rolling_back_drops_the_abandoned_flight_window(run_path):
     assert sorted(light.step.unique()) == [2, 3]
     assert not light.duplicated(["step", "kind", "order"]).any()
     assert [o.step for o in find_origins(frame)] == [3]
+
+
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_a_scaler_dropped_without_close_stops_its_taps(tmp_path, steps_before):
+    """A recording scaler dropped without ``close()`` (a notebook cell run again) leaves its hooks
+    on the model, and they hold its recorder: before the fix it went on recording every forward
+    and backward of the model that a new scaler trains, at full statistics forever when it was
+    dropped before its first ``update()``. Now its taps stop when the scaler is collected: the
+    new scaler's steps dispatch the ops of a scaler alone on a fresh copy of the model, and the
+    old recorder keeps nothing."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from host_cost import OpCounter
+
+    def ops_per_step(model, scaler, x, y):
+        with OpCounter() as counter:
+            fit(model, scaler, [(x, y)])
+        return counter.launches
+
+    torch.manual_seed(0)
+    model = MLP()
+    data = batches(4)
+    old = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "old.parquet", level="full", **QUIET)
+    fit(model, old, data[:steps_before])
+    recorder = weakref.ref(old.recorder)
+    del old
+    gc.collect()
+    assert recorder() is not None  # (kept alive by its hooks on the model)
+    twin = MLP()
+    twin.load_state_dict(model.state_dict())
+    with ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "new.parquet", level="full", **QUIET) as new, \
+            ampdoctor.GradScaler("cpu", model=twin, path=tmp_path / "twin.parquet", level="full", **QUIET) as alone:
+        for x, y in data[:2]:  # past the first (module-sampled) step
+            fit(model, new, [(x, y)])
+            fit(twin, alone, [(x, y)])
+        x, y = data[2]
+        shared, fresh = ops_per_step(model, new, x, y), ops_per_step(twin, alone, x, y)
+        assert shared == fresh  # without the fix: 512 against 72 (dropped at step 0), 80 (at step 2)
+    old_recorder = recorder()
+    assert not old_recorder._tap_obs and old_recorder._light_taps._count == 0
+    assert old_recorder.step == steps_before
