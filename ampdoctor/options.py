@@ -26,6 +26,7 @@ class RecordOptions:
     level: str = "params"
     every: int | None = None          # None: DEFAULT_EVERY
     module_every: int | None = None   # None: ``every`` when given, else DEFAULT_MODULE_EVERY
+    measure_every: int | None = None  # measured underflow (underflow_probe.py); None: as module_every; 0: never
     strict: bool = False
     flush_every: int = 1000
     flush_seconds: float = 60.0
@@ -49,6 +50,15 @@ class RecordOptions:
     def module_interval(self) -> int:
         return self.module_every or self.every or DEFAULT_MODULE_EVERY
 
+    @property
+    def measure_interval(self) -> int:
+        """Steps between measured-underflow steps (0: none). By default the module interval,
+        rounded up to a multiple of the gradient interval (a measured step is a sampled one)."""
+        if self.measure_every is not None:
+            return self.measure_every
+        every = self.gradient_interval
+        return -(-self.module_interval // every) * every
+
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
@@ -56,6 +66,9 @@ class RecordOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.measure_every is not None and (not isinstance(self.measure_every, int)
+                                               or isinstance(self.measure_every, bool) or self.measure_every < 0):
+            raise ValueError(f"measure_every must be a non-negative int or None, got {self.measure_every!r}")
         for name in ("flush_every", "hist_bins", "queue_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -1,8 +1,10 @@
 """What each step records: integer logic over step numbers, no tensors.
 
 A step is *sampled* every ``every`` steps (full statistics of the gradients: counts and
-histograms) and *module-sampled* every ``module_every`` (full statistics of the module taps, at
-``level="full"``); after an anomaly the next ``escalate_steps`` steps are *escalated*: full
+histograms), *module-sampled* every ``module_every`` (full statistics of the module taps, at
+``level="full"``) and *measured* every ``measure_every`` (its underflow measured by a float32
+shadow of its backward, with full statistics of the gradients); after an anomaly the next
+``escalate_steps`` steps are *escalated*: full
 statistics of the gradients, a row per parameter and full module taps, whatever the level. Other
 steps are *light*: light statistics of the gradients and, at ``level="full"`` with a flight
 recorder, light module taps (each tensor's min and max), kept for the flight recorder.
@@ -22,6 +24,7 @@ class StepPlan:
         self.level = options.level
         self.every = options.gradient_interval
         self.module_every = options.module_interval
+        self.measure_every = options.measure_interval
         self.flight_steps = options.flight_steps
         self.escalate_steps = options.escalate_steps
         self.escalate_until = start_step  # steps below this are escalated
@@ -30,8 +33,14 @@ class StepPlan:
         return step < self.escalate_until
 
     def gradient_stats(self, step: int) -> Statistics:
-        """What ``step``'s gradients get: ``"full"`` on sampled and escalated steps, else ``"light"``."""
-        return "full" if step % self.every == 0 or self.escalated(step) else "light"
+        """What ``step``'s gradients get: ``"full"`` on sampled, measured and escalated steps, else
+        ``"light"``."""
+        return "full" if step % self.every == 0 or self.escalated(step) or self.measured(step) else "light"
+
+    def measured(self, step: int) -> bool:
+        """Whether ``step``'s underflow is measured (a float32 shadow of its backward:
+        :mod:`ampdoctor.underflow_probe`)."""
+        return bool(self.measure_every) and step % self.measure_every == 0
 
     def per_tensor(self, step: int) -> bool:
         """Whether ``step`` writes a row per parameter gradient (else only the step row)."""

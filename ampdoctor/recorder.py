@@ -45,6 +45,7 @@ from .run_identity import env_run_id, rank_and_world, shared_run_id
 from .run_metadata import RunMetadata
 from .stats import SlotLayouts, full_stats, light_stats, stats_to_host, tensor_peaks
 from .transfer import HostCopies
+from .underflow_probe import ShadowBackward
 from .writer import RunWriter
 
 MAX_TAP_ROWS_PER_STEP = 100_000  # beyond this (a long forward-only loop between steps) rows are dropped
@@ -110,6 +111,11 @@ class Recorder:
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._plan = StepPlan(options, start_step)
+        # Measured steps: the float32 shadow of the backward (underflow_probe.py), made when the
+        # step is planned, active from scale() to the step's first observe_grads.
+        self._probe: ShadowBackward | None = None
+        self._probe_active = False
+        self._warned_probe = False
         # Whether torch's step() ran each optimizer this iteration (a step pre-hook): torch reads
         # found_inf on the host for it anyway, so a skip is known before the scalars' copy lands.
         self._step_hooks: dict[int, tuple] = {}  # id(optimizer) -> (weak reference to it, hook handle)
@@ -124,14 +130,16 @@ class Recorder:
         inner = unwrap_model(model) if model is not None else None
         self._run_metadata = RunMetadata(scaler, scaler_class, options, device_type=self.device_type,
                                          world_size=self.world_size, model=inner)
+        self._compiled = model is not None and is_compiled(model)
         self._parameters = ParameterIndex(
             {id(p): clean_name(n) for n, p in inner.named_parameters()} if inner is not None else {})
         if inner is not None:
             if is_compiled(model):
-                if options.level == "full":
+                if options.level == "full" or self._plan.measure_every:
+                    self._warned_probe = True  # (said here: no second warning at the first measured step)
                     warnings.warn("ampdoctor: the model is compiled with torch.compile; module taps "
-                                  "are off and recording continues at level='params'",
-                                  RuntimeWarning, stacklevel=4)
+                                  "and the measured underflow are off (the estimate stands in), and "
+                                  "recording continues at level='params'", RuntimeWarning, stacklevel=4)
             else:
                 self._taps = ModuleTaps(inner, options.modules, self)
             if self._amp_dtype is None:
@@ -183,6 +191,7 @@ class Recorder:
         self._anomalies.closing = True  # the close writes everything: anomalies found now need no sync of their own
         if self.active:
             try:
+                self._end_probe()  # (a run closed between scale() and unscale_: leave the shadow backward)
                 deadline = None if timeout is None else time.monotonic() + timeout
                 self._anomalies.check(self.step, wait=True, deadline=deadline)
                 scaler = self._scaler_ref()
@@ -256,6 +265,54 @@ class Recorder:
             value = t.detach().float().sum()
             self._loss = value if self._loss is None else self._loss + value.to(self._loss.device)
 
+    @_guarded
+    def observe_scaled(self, scaled: torch.Tensor | Iterable) -> None:
+        """The scaled loss(es) ``scale()`` returns, whose backward comes next: on a measured step,
+        seed the shadow backward with them and make it active (:mod:`ampdoctor.underflow_probe`).
+        Skipped, with one warning, where it cannot run safely: another dispatch mode is active
+        (it would sit above ours and could leave first), the model is compiled, or inside
+        ``torch.compile``. No sync."""
+        probe = self._probe
+        if probe is None:
+            return
+        roots = [t for t in _tensors(scaled) if t.requires_grad]
+        if not roots:
+            return
+        if not self._probe_active:
+            reason = None
+            if torch._C._len_torch_dispatch_stack() > 0:
+                reason = "another TorchDispatchMode is active around the backward"
+            elif torch.compiler.is_compiling() or self._compiled:
+                reason = "the model runs under torch.compile"
+            if reason is not None:
+                self._probe = None
+                self._warn_probe(f"underflow is not measured in step {self.step}: {reason}")
+                return
+            probe.__enter__()
+            self._probe_active = True
+        for t in roots:
+            probe.seed(t)
+
+    def _end_probe(self) -> None:
+        """Leave the shadow backward (the step's backward is over); its shadows stay readable.
+        If another dispatch mode was entered above it meanwhile, ours cannot leave first: the
+        step's measurement is dropped (warned once) and it leaves when it is on top again. No sync."""
+        if not self._probe_active:
+            return
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not self._probe:
+            self._warn_probe(f"underflow is not measured in step {self.step}: another TorchDispatchMode was "
+                             "entered during its backward and is still active")
+            return
+        self._probe.__exit__(None, None, None)
+        self._probe_active = False
+
+    def _warn_probe(self, why: str) -> None:
+        if not self._warned_probe:
+            self._warned_probe = True
+            warnings.warn(f"ampdoctor: {why} (the estimate stands in; warned once)", RuntimeWarning, stacklevel=4)
+
     def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
         """Full statistics of a tensor a module tap saw (``output``, or ``grad_output``: still
         scaled). Called from module and node hooks, per tensor; not guarded, because the hooks
@@ -272,7 +329,9 @@ class Recorder:
             [t], inv_scale=inv, subnormal_below=float_format(t.dtype).smallest_normal,
             hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins, layouts=self._layouts,
             lines="features"))
-        self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype), tensor.numel(), stats))
+        measured = self._probe.count(tensor) if self._probe_active and kind == "grad_output" else None
+        self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype), tensor.numel(), stats,
+                                            measured))
 
     def _inv_scale(self, device: torch.device) -> torch.Tensor | None:
         """1/scale as torch's unscale_ computes it, on ``device`` (once per step and device)."""
@@ -300,6 +359,8 @@ class Recorder:
         per_tensor = self._plan.per_tensor(self.step)
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
+        self._end_probe()
+        probe = self._probe if self._probe is not None and not self._probe_active else None
         groups = self._parameters.gradient_groups(optimizer, check=full)
         for (device, dtype), (names, numels, tensors) in groups.items():
             inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
@@ -309,7 +370,8 @@ class Recorder:
                                      hist_bins=self.options.hist_bins, layouts=self._layouts)
             else:
                 stats = light_stats(tensors, inv_scale=inv)
-            self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats))
+            measured = probe.counts(tensors) if probe is not None and full else None
+            self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats, measured))
 
     def _watched(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether our step pre-hook is on ``optimizer`` (not on a freed one that had its id)."""
@@ -421,10 +483,17 @@ class Recorder:
         items = (*record.groups, *record.taps)
         for item, stats in zip(items, stats_to_host([item.stats for item in items], copy)):
             item.stats = stats  # (one copy for all the packed statistics of a device)
+        for group in record.groups:
+            if group.measured is not None:
+                group.measured = copy(group.measured)
+        record.tap_measured = _stack_measured(record.taps, copy)
+        self._end_probe()
+        self._probe = None if not self._probe_active else self._probe  # (its shadows go with it)
         if record.params is not None:
             record.params.peaks = copy(record.params.peaks)
         record.event = self._copies.seal()
         if module_stats is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
+            self._compiled = True
             self._taps_off(f"no module tap fired in step {self.step} although gradients were "
                            "recorded: the model runs under torch.compile, or model= is not the "
                            "module being trained")
@@ -470,14 +539,20 @@ class Recorder:
         self._taps, self._module_stats = None, None
 
     def _plan_step(self) -> None:
-        """Decide what the module taps record in the step about to start; (un)install them."""
+        """Decide what the module taps record in the step about to start, and whether its
+        underflow is measured; (un)install the taps."""
+        if self._plan.measured(self.step) and not self._probe_active:
+            self._probe = ShadowBackward()
         if self._taps is None:
             self._module_stats = None
             return
         self._module_stats = self._plan.module_stats(self.step)
         # Light steps: the taps hand tensors straight to the flight recorder's buffer (one call
         # less per tensor than through observe_tap).
-        self._taps.reset(self._light_taps.add if self._module_stats == "light" else None)
+        observe = self._light_taps.add if self._module_stats == "light" else None
+        if self._probe is not None:  # the taps' own ops must not be shadowed
+            observe = _paused(self._probe, observe or self.observe_tap)
+        self._taps.reset(observe)
         if self._module_stats is None:
             self._taps.remove()
             return
@@ -489,6 +564,25 @@ class Recorder:
     def _metadata(self) -> dict[str, str]:
         """The metadata of a segment written now (writer thread)."""
         return self._run_metadata(amp_dtype=self.amp_dtype, run_id=self.run_id, dropped_steps=self.dropped_steps)
+
+
+def _paused(probe: ShadowBackward, observe):
+    """``observe`` run with ``probe`` paused on the calling thread."""
+    def paused(kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
+        with probe.paused():
+            observe(kind, call, order, tensor)
+    return paused
+
+
+def _stack_measured(taps: list[TapObservation], copy) -> torch.Tensor | None:
+    """The measured underflow of each tap observation (-1: not measured) as one host copy, or
+    None when none was measured. No sync."""
+    found = [t.measured for t in taps]
+    first = next((m for m in found if m is not None), None)
+    if first is None:
+        return None
+    missing = torch.full((), -1, dtype=torch.int64, device=first.device)
+    return copy(torch.stack([m.to(first.device, non_blocking=True) if m is not None else missing for m in found]))
 
 
 def _when_dropped(recorder: "weakref.ref[Recorder]"):

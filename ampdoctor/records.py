@@ -26,6 +26,7 @@ class GroupRecord:
     dtype: str
     numels: np.ndarray
     stats: FullStats | LightStats     # full statistics when the plan says so, else light ones
+    measured: torch.Tensor | None = None  # int64 [tensors]: measured underflow (-1: not measured); None: not a measured step
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TapObservation:
     dtype: str
     numel: int
     stats: FullStats | tuple | None   # full statistics, or the (min, max) extremes of light ones
+    measured: torch.Tensor | None = None  # 0-dim int64 on the device: measured underflow (grad_output, measured steps)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class StepRecord:
     scalars: torch.Tensor | None      # see pack_scalars
     groups: list[GroupRecord] = field(default_factory=list)
     taps: list[TapObservation] = field(default_factory=list)  # full module statistics only
+    tap_measured: torch.Tensor | None = None  # int64 [taps], host copy: each tap's measured underflow (-1: not)
     params: "ParamCheck | None" = None  # the parameter check after optimizer.step()
     event: Fence | None = None        # to wait on before reading (None: nothing to wait for)
 

@@ -45,10 +45,15 @@ def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: i
         for g in record.groups:
             labels.extend("param_grad", g.names, g.dtype, g.numels.tolist())
         stats.append(merged)
-    blocks = [step.block(labels, _stat_columns(HostStats.concat(stats)), losses=[scalars.loss])]
+    measured = _measured(record.groups)
+    if measured is not None:  # the step row: all of them, when every one was measured
+        measured = [int(measured.sum()) if (measured >= 0).all() else -1] + (
+            measured.tolist() if record.per_tensor else [])
+    blocks = [step.block(labels, _stat_columns(HostStats.concat(stats)), losses=[scalars.loss], measured=measured)]
     if record.taps:
         tap_stats = HostStats.concat([t.stats.decode() for t in record.taps])
-        blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(tap_stats), taps=record.taps))
+        blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(tap_stats), taps=record.taps,
+                                 measured=None if record.tap_measured is None else record.tap_measured.tolist()))
     if record.params is not None:
         blocks.append(_param_rows(step, record.params, float_format(record.amp_dtype).max))
     anomaly = (scalars.skipped or (scalars.loss is not None and not np.isfinite(scalars.loss))
@@ -92,9 +97,10 @@ class _StepColumns:
         return cls(step, rank, scalars.scale, scalars.skipped)
 
     def block(self, labels: _Labels, stats: dict[str, np.ndarray], *, losses: list | None = None,
-              taps: list[TapObservation] | None = None) -> Block:
+              taps: list[TapObservation] | None = None, measured: list[int] | None = None) -> Block:
         """One block of rows with every column of the schema; ``taps`` give the module rows'
-        call structure (``order``, ``call``, ``parent``, ``inputs``), null on other rows."""
+        call structure (``order``, ``call``, ``parent``, ``inputs``), null on other rows;
+        ``measured`` each row's measured underflow (-1 or None: not measured, null)."""
         n = len(labels.kinds)
         return {
             "step": np.full(n, self.step, dtype=np.int64),
@@ -108,6 +114,7 @@ class _StepColumns:
             "skipped": np.full(n, self.skipped, dtype=bool),
             "loss": _objects(n, losses),
             **stats,
+            "n_underflow": _objects(n, None if measured is None else [None if v < 0 else v for v in measured]),
             "call": _objects(n, None if taps is None else [t.call.call for t in taps]),
             "parent": _objects(n, None if taps is None else [t.call.parent for t in taps]),
             "inputs": _objects(n, None if taps is None else [list(t.call.inputs) for t in taps]),
@@ -140,6 +147,15 @@ def _param_rows(step: _StepColumns, params: ParamCheck, amp_max: float) -> Block
     labels.extend("param", [""] + [params.names[i] for i in bad], "float32",
                   [int(sum(params.numels))] + [params.numels[i] for i in bad])
     return step.block(labels, _light_columns(np.concatenate([[total], peaks[bad]]).astype(np.float32)))
+
+
+def _measured(groups: list) -> np.ndarray | None:
+    """int64 per parameter gradient of the record's groups, in row order: measured underflow
+    (-1: not measured); None when the step was not measured."""
+    if not any(g.measured is not None for g in groups):
+        return None
+    return np.concatenate([g.measured.numpy() if g.measured is not None else np.full(len(g.names), -1)
+                           for g in groups]).astype(np.int64)
 
 
 def _objects(n: int, values=None) -> np.ndarray:

@@ -44,11 +44,13 @@ class _Recording:
         return self.__dict__.get(_RECORDER)
 
     def scale(self, outputs):
-        """As torch: multiply by the scale. Also adds ``outputs`` to the step's loss. No sync."""
+        """As torch: multiply by the scale. Also adds ``outputs`` to the step's loss and, on a
+        measured step, starts the shadow of the backward to come. No sync."""
         scaled = super().scale(outputs)
         rec = self.recorder
         if rec is not None:
             rec.observe_loss(outputs, self._scale if self._enabled else None)
+            rec.observe_scaled(scaled)  # on a measured step: the shadow backward starts here
         return scaled
 
     def _observe_scaled_grads(self, optimizer: torch.optim.Optimizer) -> None:

@@ -104,6 +104,10 @@ def run_schema(metadata: dict[str, str] | None = None) -> pa.Schema:
         # Zeros lying in an all-zero row or column (structure, not underflow; stats.zero_line_elements).
         # Null on light rows and in runs written before it existed.
         pa.field("n_zero_lines", pa.int64()),
+        # Gradient elements that are 0 here but not in a float32 shadow of the same backward: the
+        # underflow, measured (measured steps, `measure_every`; underflow_probe.py). Null where not
+        # measured, and in runs written before it existed.
+        pa.field("n_underflow", pa.int64()),
         # Module rows (`output`, `grad_output`) only: the module call's number in the step (in the
         # order calls began), its enclosing tapped call, and the calls whose returned tensors it
         # received as arguments. Null on other rows.

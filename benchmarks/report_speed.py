@@ -109,7 +109,7 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank, version) -> p
         "n_nan": pa.array(np.zeros(n, np.int64)), "n_inf": pa.array(np.where(sk, 1, 0), pa.int64()),
         "hist": (hist_array([hist], HIST_BINS) if version == 2 else
                  pa.FixedSizeListArray.from_arrays(pa.array(hist.ravel(), pa.int32()), HIST_BINS)),
-        "n_zero_lines": pa.array(np.zeros(n, np.int64)),
+        "n_zero_lines": pa.array(np.zeros(n, np.int64)), "n_underflow": pa.nulls(n, pa.int64()),
         "call": pa.nulls(n, pa.int32()), "parent": pa.nulls(n, pa.int32()),
         "inputs": pa.nulls(n, pa.list_(pa.int32())),
     }

@@ -222,8 +222,42 @@ def nanogpt() -> Arch:
     return Arch("nanogpt", model, loss)
 
 
+class LSTMLM(nn.Module):
+    """A word-level LSTM language model, PyTorch's ``examples/word_language_model`` in miniature:
+    embedding, 2 stacked LSTM layers, linear decoder. The layers are ``nn.LSTMCell`` stepped over
+    time: ``nn.LSTM``'s fused CPU kernel (oneDNN) refuses float16 autocast."""
+
+    def __init__(self, vocab: int = 96, d: int = 32, layers: int = 2):
+        super().__init__()
+        self.encoder = nn.Embedding(vocab, d)
+        self.cells = nn.ModuleList(nn.LSTMCell(d, d) for _ in range(layers))
+        self.decoder = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.encoder(idx)
+        for cell in self.cells:
+            h = c = x.new_zeros(x.shape[0], cell.hidden_size)
+            outs = []
+            for t in range(x.shape[1]):
+                h, c = cell(x[:, t], (h, c))
+                outs.append(h)
+            x = torch.stack(outs, dim=1)
+        return self.decoder(x)
+
+
+def lstm() -> Arch:
+    model = LSTMLM()
+
+    def loss(m, step):
+        ids = _tokens(step, (2, 13), 96)
+        logits = m(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1))
+
+    return Arch("lstm", model, loss)
+
+
 HF = {"gpt2": gpt2, "t5": t5, "vit": vit, "bert": bert}
-PLAIN = {"relu_mlp": relu_mlp, "cnn": cnn, "nanogpt": nanogpt}
+PLAIN = {"relu_mlp": relu_mlp, "cnn": cnn, "nanogpt": nanogpt, "lstm": lstm}
 
 
 def build(name: str, seed: int = 0) -> Arch:

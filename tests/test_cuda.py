@@ -155,3 +155,26 @@ def test_fences_on_cuda_cover_every_source_device():
     assert len(fence._events) == len(devices)
     fence.synchronize()
     assert all(h.is_pinned() and bool((h == i + 1).all()) for i, h in enumerate(hosts))
+
+
+def test_measured_underflow_on_cuda(run_path):
+    """The float32 shadow of the backward on CUDA (autograd's device thread runs under the mode):
+    every parameter gradient measured, within tolerance of an fp32 reference backward counted
+    here, and training bit for bit torch's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = DeepNet().cuda()
+    reference = copy.deepcopy(model)
+    x, y = (t.cuda() * s for t, s in zip(batches(1, batch=8)[0], (1e-3, 1.0)))
+    with ampdoctor.GradScaler("cuda", model=model, path=run_path, level="full", every=1, init_scale=1.0) as scaler:
+        scaler.scale(mse(model, x, y, device="cuda")).backward()
+        amp = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+        scaler.update()
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    rows = read_run(run_path).frame.query("kind == 'param_grad'").set_index("name")
+    for name, p in reference.named_parameters():
+        truth = int(((amp[name] == 0) & (p.grad != 0)).sum())
+        assert abs(rows.loc[name, "n_underflow"] - truth) <= max(0.005 * p.numel(), 0.25 * truth), name
+    assert rows.n_underflow.sum() > 0

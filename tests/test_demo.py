@@ -95,7 +95,7 @@ REPORT_LINES = {
     "healthy": ["Scenario healthy:", f"Trained {STEPS} steps on cpu:", "0 skipped (0)",
                 "Keep the current scaler settings.", "none: no step overflowed"],
     "underflow": ["Scenario underflow:", "range 2**0..2**0; 0 skipped", "Change the scaler settings.",
-                  "of gradient elements underflowed", "underflow rate <0.001%.."],
+                  "steps measured, the rest estimated", "underflow rate <0.001%"],
     "overflow": ["Scenario overflow:", "Change the scaler settings.", "Overflow origins",
                  "right after the scale grew", "skipped step(s) instead of"],
     "nan": [f"Trained {STEPS} steps on cpu (weight blown up at step {FAULT}): final loss nan",

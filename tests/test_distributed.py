@@ -130,6 +130,12 @@ def test_ddp_training_is_unchanged_and_ranks_option_limits_recording(ddp_run):
     for rank in (0, 1):
         finals = json.loads((ddp_run / f"ddp-rank{rank}.json").read_text())
         assert finals["ampdoctor"] == finals["plain"] == finals["rank0-only"]
+    # Every step was measured (every=1): the shadow backward never runs a collective, so the
+    # all-reduced parameter gradients are unmeasured (the estimate stands in), while the module
+    # output gradients, computed on each rank before the reduction, are measured.
+    frame = ampdoctor.load(ddp_run / "ddp.parquet")
+    assert frame[frame.kind == "param_grad"].n_underflow.isna().all()
+    assert frame[frame.kind == "grad_output"].n_underflow.notna().any()
     ranks = set(ampdoctor.load(ddp_run / "rank0.parquet")["rank"])
     assert ranks == {0}
 

@@ -21,8 +21,10 @@ def test_underflow_scenario_names_the_underflowing_layers_first(scenarios):
     top = [layer["name"] for layer in layers[:2]]
     assert set(top) == {"side.weight", "side.bias"}, top
     # Their gradients are 0 everywhere: no magnitude says how far below the cut-off they were, so
-    # the estimate is unknown and only the upper bound (every element) is given.
-    assert layers[0]["underflow_rate"] is None and layers[0]["underflow_rate_max"] == 1.0
+    # the estimate of the sampled steps is unknown (only its upper bound, every element, is
+    # given); the measured step (step 0 by default) settles it: every element underflowed.
+    assert layers[0]["underflow_rate"] == 1.0 and layers[0]["underflow_rate_max"] == 1.0
+    assert layers[0]["underflow_measured"] == 1.0  # (step 100's estimate is unknown: not judged)
     assert all(layer["underflow_rate"] <= layer["zero_rate"] + 1e-12 for layer in layers
                if layer["underflow_rate"] is not None)
 

@@ -26,7 +26,10 @@ ARCHS = ["gpt2", "t5", "vit", "bert", "nanogpt", "relu_mlp", "cnn"]
 def _train(arch, path, steps, *, lr=0.0, adam=False, loss_factor=1.0, capture=None, **settings):
     """``steps`` fp16 AMP steps of ``arch`` recorded to ``path`` (with lr 0 the weights stay those
     the truth is measured on); ``capture`` receives step 0's unscaled gradients. Returns the
-    report and the scaler's final scale."""
+    report and the scaler's final scale. The underflow is estimated (``measure_every=0``) unless
+    ``measure_every`` is given: this module checks the estimate, test_underflow_probe.py the
+    measurement."""
+    settings.setdefault("measure_every", 0)
     model = arch.model
     opt = (torch.optim.AdamW if adam else torch.optim.SGD)(model.parameters(), lr=lr)
     scaler = ampdoctor.GradScaler("cpu", model=model, path=path, amp_dtype=torch.float16, **settings)
@@ -146,7 +149,13 @@ def test_underflow_from_upstream_lies_within_the_reported_range(tmp_path, scale)
     if scale == 1.0:
         value = "bert.encoder.layer.1.attention.self.value.weight"
         rows = _param_rows(tmp_path / "run.parquet")
-        assert A.true_underflow(arch, 0, amp, loss_factor=1e-3)[value].rate > 0.9 and rows[value]["underflow_rate"] < 0.1
+        truth = A.true_underflow(arch, 0, amp, loss_factor=1e-3)[value]
+        assert truth.rate > 0.9 and rows[value]["underflow_rate"] < 0.1
+        # Measured, it is no longer a range: the shadow backward sees the lines underflow upstream.
+        _train(A.build("bert"), tmp_path / "measured.parquet", 1, loss_factor=1e-3, init_scale=scale,
+               growth_interval=10**6, level="full", every=1, measure_every=1)
+        measured = _param_rows(tmp_path / "measured.parquet")[value]
+        assert abs(measured["underflow_rate"] - truth.rate) <= _tolerance(truth) and measured["underflow_measured"] == 1
 
 
 RETRAIN = {
@@ -238,6 +247,17 @@ def test_gradients_zero_everywhere_give_an_underflow_range_not_a_number(tmp_path
     assert pred["underflow_rate_min"] - 1e-3 <= retrained <= pred["underflow_rate_max"]
     assert retrained < truth[1.0] / 10
 
+    # Measured, the gradients 0 everywhere are no longer unknown: the shadow tells the elements
+    # that underflowed from the dead units' structural zeros, as the fp32 reference does.
+    arch = A.build("relu_mlp")
+    amp = {}
+    measured, _ = _train(arch, tmp_path / "measured.parquet", 1, loss_factor=factor, init_scale=1.0, capture=amp,
+                         growth_interval=10**6, every=1, measure_every=1)
+    rows = {r["name"]: r for r in measured["layers"] if r["kind"] == "param_grad"}
+    for name, t in A.true_underflow(arch, 0, amp, factor).items():
+        assert rows[name]["underflow_measured"] == 1 and abs(rows[name]["underflow_rate"] - t.rate) <= _tolerance(t)
+    assert 0 < rows["body.2.weight"]["underflow_rate"] < rows["body.2.weight"]["zero_rate"] == 1.0
+
 
 class _DeadBranch(torch.nn.Module):
     """A ReLU MLP with a branch switched off by a zero factor: its gradients are 0 at any scale."""
@@ -267,6 +287,14 @@ def test_a_gradient_zero_at_a_healthy_scale_gives_unknown_not_keep(tmp_path):
     assert rec["verdict"] == "unknown" and rec["init_scale"] == 2.0**16
     assert rec["current"]["underflow_rate_min"] == 0 and rec["current"]["underflow_rate_max"] > 0.01
     assert any("cannot be called underflow or structure" in a for a in rec["advice"])
+    # Measured, the branch's zeros are zeros in the float32 shadow too: structure, and the
+    # settings are kept.
+    torch.manual_seed(0)
+    arch.model = _DeadBranch()
+    measured, _ = _train(arch, tmp_path / "measured.parquet", 3, growth_interval=10**6, every=1, measure_every=1)
+    rows = {r["name"]: r for r in measured["layers"] if r["kind"] == "param_grad"}
+    assert rows["branch.weight"]["underflow_rate"] == 0 and rows["branch.weight"]["underflow_measured"] == 1
+    assert measured["recommendation"]["verdict"] == "keep"
 
 
 def test_overflowed_gradients_are_not_undecided_zeros(tmp_path):

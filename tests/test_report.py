@@ -83,9 +83,11 @@ def test_sampled_statistics_stand_in_for_the_steps_between(scenarios, tmp_path):
     """The same training recorded with the full statistics at every step and with the default
     sampling (every 50th step, and the steps after an anomaly): the estimates agree."""
     for name in ("underflow", "init_too_high"):
-        _, _, sampled = scenarios[name]
-        dense_path = tmp_path / f"{name}.parquet"
-        train_recorded(dense_path, steps=STEPS, every=1, **SCENARIOS[name])
+        # Estimates on both sides (measure_every=0; measured steps are test_underflow_probe.py's).
+        sampled_path, dense_path = tmp_path / f"{name}-sampled.parquet", tmp_path / f"{name}.parquet"
+        train_recorded(sampled_path, steps=STEPS, measure_every=0, **SCENARIOS[name])
+        sampled = report_data(sampled_path)
+        train_recorded(dense_path, steps=STEPS, every=1, measure_every=0, **SCENARIOS[name])
         dense = report_data(dense_path)
         a, b = dense["recommendation"], sampled["recommendation"]
         assert a["init_scale"] == b["init_scale"], name

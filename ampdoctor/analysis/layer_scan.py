@@ -10,8 +10,10 @@ module rows in their own dtype, gradients at the loss scale and activations unsc
 output gradient whose values all sit on the AMP format's grid (an fp16 gradient cast up to float32
 on its way into a LayerNorm) in the AMP format.
 
-* ``underflow_rate``: estimated elements lost to underflow over elements observed (see
-  :mod:`ampdoctor.analysis.underflow` for the definition and the estimate);
+* ``underflow_rate``: elements lost to underflow over elements observed: measured on measured
+  steps (:mod:`ampdoctor.underflow_probe`), else estimated (see :mod:`ampdoctor.analysis.underflow`
+  for the definition and the estimate); ``underflow_measured``: the share of those elements whose
+  underflow was measured;
 * ``zero_rate``, ``subnormal_rate``: recorded zeros and subnormals over elements observed;
 * ``headroom_log2``: the smallest headroom seen, ``log2(format max / (amax · S))`` over the
   observations that were finite (negative: it overflowed the format);
@@ -42,11 +44,11 @@ LOW_QUANTILE = 0.10    # the heatmap's "low" magnitude: this quantile of the non
 _ALL_ZERO = -1e300
 
 STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
-                "n_nan", "n_inf", "hist", "n_zero_lines"]
+                "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
 _COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "n_zero",
-            "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines"]
+            "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
 # Rows of _Accumulator.sums.
-_NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED = range(8)
+_NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED, _MEASURED = range(9)
 
 
 @dataclass
@@ -54,7 +56,8 @@ class LayerScan:
     """What the streaming pass over a run's non-step rows found."""
 
     layers: pd.DataFrame                       # one row per (name, kind), see the module docstring
-    param_lost: pd.DataFrame                   # per step: lost, undecided and all zeros over parameter gradients
+    param_lost: pd.DataFrame                   # per step: lost, undecided and all zeros over parameter gradients,
+                                               # and whether they were measured
     module_peak: pd.Series                     # per step: largest finite output-gradient amax
     activation_peak: pd.DataFrame              # per module: largest finite output amax (unscaled)
     heatmap_steps: np.ndarray                  # first step of each heatmap column
@@ -113,7 +116,7 @@ class _Accumulator:
         self.ids: dict[tuple[str, str], int] = {}
         self.dtypes: list[str] = []
         self.columns = columns
-        self.sums = np.zeros((8, 16))          # indexed by _NUMEL .. _JUDGED
+        self.sums = np.zeros((9, 16))          # indexed by _NUMEL .. _MEASURED
         self.amax = np.full(16, -np.inf)
         self.amin = np.full(16, np.inf)
         self.headroom = np.full(16, np.inf)
@@ -124,6 +127,7 @@ class _Accumulator:
         self.param_zero = np.zeros(span)
         self.param_undecided = np.zeros(span)     # undecided zeros: the upper bound minus the estimate
         self.param_seen = np.zeros(span, dtype=bool)
+        self.param_measured = np.zeros(span, dtype=bool)  # a parameter gradient's underflow was measured
         self.module_peak = np.full(span, -np.inf)
 
     def _layer_ids(self, batch: pa.RecordBatch) -> np.ndarray:
@@ -164,7 +168,7 @@ class _Accumulator:
         formats = [_format_or_none(d) or amp for d in dtypes]
         col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
                ("step", "scale", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf",
-                "n_zero_lines")}
+                "n_zero_lines", "n_underflow")}
         hist = hist_matrix(batch.column("hist"), bins)
         param = kind == "param_grad"
         output = kind == "output"
@@ -201,6 +205,11 @@ class _Accumulator:
             # Activations are not loss-scaled: no underflow estimate for output rows. A row whose
             # estimate is unknown (every element 0) counts only towards the upper bound.
             # A row that held a NaN or inf is not judged: its histogram lost the overflowed values.
+            # Measured steps (underflow_probe.py): the count itself, estimate and bound alike.
+            measured = col["n_underflow"].astype(np.float64)
+            measured = full & ~output & ~nonfinite & ~np.isnan(measured)
+            estimate = np.where(measured, col["n_underflow"].astype(np.float64), estimate)
+            upper = np.where(measured, estimate, upper)
             judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
             lost = np.where(judged, estimate, 0.0)
             upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
@@ -214,7 +223,8 @@ class _Accumulator:
         finite_amax = np.where(usable, amax, -np.inf)
         n = len(self.ids)
         for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
-                                    full, nonfinite, upper, np.where(judged, col["numel"], 0))):
+                                    full, nonfinite, upper, np.where(judged, col["numel"], 0),
+                                    np.where(measured, col["numel"], 0))):
             values = np.nan_to_num(np.asarray(values, dtype=np.float64))
             self.sums[i, :n] += np.bincount(layer, weights=values, minlength=n)
         np.maximum.at(self.amax, layer, finite_amax)
@@ -230,6 +240,7 @@ class _Accumulator:
         np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
         np.add.at(self.param_undecided, offset[pf], np.maximum(upper[pf] - lost[pf], 0.0))
         self.param_seen[offset[pf]] = True
+        self.param_measured[offset[pf & measured]] = True
         # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
         # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
         in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
@@ -251,6 +262,8 @@ class _Accumulator:
             "kind": pd.Series([k[1] for k in keys], dtype=object),
             "underflow_rate": sums[_LOST] / judged,
             "underflow_rate_max": np.where(is_output, np.nan, sums[_UPPER] / numel),
+            # The share of the judged elements whose underflow was measured, not estimated.
+            "underflow_measured": sums[_MEASURED] / judged,
             "zero_rate": sums[_ZERO] / numel, "subnormal_rate": sums[_SUBNORMAL] / numel,
             "headroom_log2": _inf_to_nan(self.headroom[:n]), "amax": _inf_to_nan(self.amax[:n]),
             "amin": _inf_to_nan(self.amin[:n]), "observations": sums[_OBSERVED].astype(int),
@@ -258,7 +271,8 @@ class _Accumulator:
         steps = first_step + np.arange(len(self.param_lost))
         seen = self.param_seen
         param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen],
-                                   "undecided": self.param_undecided[seen]}, index=steps[seen])
+                                   "undecided": self.param_undecided[seen], "measured": self.param_measured[seen]},
+                                  index=steps[seen])
         peak = self.module_peak > -np.inf
         module_peak = pd.Series(self.module_peak[peak], index=steps[peak])
         outputs = [i for i, k in enumerate(keys) if k[1] == "output"]

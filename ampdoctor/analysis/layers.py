@@ -75,6 +75,7 @@ def layer_records(layers: pd.DataFrame, types: dict[str, str] | None = None) -> 
         out.append({"name": r.name, "kind": r.kind, "module_type": module_type(r.name, r.kind, types),
                     "underflow_rate": finite_or_none(r.underflow_rate),
                     "underflow_rate_max": finite_or_none(r.underflow_rate_max),
+                    "underflow_measured": finite_or_none(r.underflow_measured),
                     "zero_rate": finite_or_none(r.zero_rate), "subnormal_rate": finite_or_none(r.subnormal_rate),
                     "headroom_log2": finite_or_none(r.headroom_log2), "amax": finite_or_none(r.amax),
                     "amin": finite_or_none(r.amin), "observations": int(r.observations),

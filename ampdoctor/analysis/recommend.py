@@ -165,7 +165,10 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
             out.append(Finding("recorded_underflow_range", {"median_scale": median, "underflow": recorded,
                                                             "undecided": undecided}))
         elif actual["underflow_rate"] > 1e-4:
-            out.append(Finding("recorded_underflow", {"rate": actual["underflow_rate"], "median_scale": median}))
+            applied = ~series.skipped
+            measured = int((series.measured & applied).sum()) if series.measured is not None else 0
+            out.append(Finding("recorded_underflow", {"rate": actual["underflow_rate"], "median_scale": median,
+                                                      "measured_steps": measured, "steps": int(applied.sum())}))
     out.append(Finding("overflow_threshold", {"log2": prepared.threshold.log2, "source": prepared.threshold.source}))
     if current is not None and pick.config == current:
         out.append(Finding("current_settings_best", {"skipped": pick.skipped_steps, "underflow": predicted}))

@@ -20,7 +20,7 @@ from .scaler_config import with_defaults
 from .underflow import UnderflowModel, underflow_bounds
 
 LAYER_COLUMNS = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "n_nan", "n_inf", "hist",
-                 "n_zero_lines"]
+                 "n_zero_lines", "n_underflow"]
 
 
 def simulate_data(run: Run | str | os.PathLike, **settings) -> dict:
@@ -61,6 +61,10 @@ def _predicted_layers(a: Analysis, outcome: Outcome) -> list[dict]:
         estimate, upper = underflow_bounds(hist, frame["n_zero"].to_numpy(dtype=np.float64),
                                            frame["n_subnormal"].to_numpy(dtype=np.float64), cut, a.series.min_exp,
                                            frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan))
+        # A measured step's count is the loss at its recorded scale (underflow_probe.py).
+        measured = frame["n_underflow"].to_numpy(dtype=np.float64, na_value=np.nan)
+        estimate = np.where(np.isnan(measured), estimate, measured)
+        upper = np.where(np.isnan(measured), upper, measured)
         model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), np.nan_to_num(estimate, nan=0.0), a.series.min_exp)
         log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
         lost = model.lost(np.log2(a.target.underflow_below) - log2s)

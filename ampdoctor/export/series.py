@@ -40,7 +40,7 @@ from ..run import Run
 STEP_TAGS = ("steps/scale", "steps/skipped", "steps/skipped_total", "steps/loss", "steps/grad_norm")
 UNDERFLOW_MIN, UNDERFLOW_MAX = "underflow_min", "underflow_max"
 _LAYER_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "l2", "n_zero",
-                  "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines"]
+                  "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,8 @@ def _histograms(rows: pa.RecordBatch, step: int, hl: HistogramLayout) -> list[Hi
 
 
 def _underflow(rows: pa.RecordBatch, step: int, hl: HistogramLayout) -> list[tuple[str, int, float]]:
-    """The analysis's per-layer underflow estimate and upper bound over one step's rows."""
+    """The analysis's per-layer underflow (measured, else the estimate) and upper bound over one
+    step's rows."""
     layers = scan_step_rows(rows, hl.amp, min_exp=hl.min_exp, bins=hl.bins, step=step)
     out = []
     for name, kind, low, high, nonfinite in zip(layers["name"], layers["kind"], layers["underflow_rate"],

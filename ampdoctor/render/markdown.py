@@ -101,16 +101,21 @@ def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
     return ([empty] if empty else []) + _note(sections.missing_note(missing, section))
 
 
+MEASURED_NOTE = "\n" + sections.MEASURED_LEGEND.strip()
+
+
 def _layer_table(layers: Sequence[dict]) -> list[str]:
     headers = ["#", "layer", "kind", "underflow", "at most", "zeros", "subnormal", "headroom (binades)",
                "amax", "amin", "observations"]
-    rows = [[i, sections.layer_label(layer), layer.get("kind", ""), percent(layer.get("underflow_rate")),
+    rows = [[i, sections.layer_label(layer), layer.get("kind", ""),
+             percent(layer.get("underflow_rate")) + sections.measured_mark(layer.get("underflow_measured")),
              percent(layer.get("underflow_rate_max")),
              percent(layer.get("zero_rate")), percent(layer.get("subnormal_rate")),
              binades(layer.get("headroom_log2")),
              number(layer.get("amax")), number(layer.get("amin")), layer.get("observations", "—")]
             for i, layer in enumerate(layers, 1)]
-    return table_lines(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2))
+    legend = [MEASURED_NOTE] if any(sections.measured_mark(layer.get("underflow_measured")) for layer in layers) else []
+    return table_lines(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2)) + legend
 
 
 def _run_section(run: dict) -> list[str]:

@@ -128,3 +128,14 @@ def timeline_cells(step: dict) -> list[str]:
     marks as code its own way) left out."""
     return [str(step["step"]), scale_str(step["scale"]), "yes" if step["skipped"] else "",
             number_or_word(step["loss"]), number_or_word(step["grad_norm"]), number_or_word(step["max_activation"])]
+
+
+MEASURED_LEGEND = "  underflow: * measured, ~ measured on some steps and estimated on the others, else estimated"
+
+
+def measured_mark(share: float | None) -> str:
+    """The mark after a layer's underflow rate: ``*`` all of it measured, ``~`` part of it, else
+    none (estimated, or no rate)."""
+    if share is None or share <= 0:
+        return ""
+    return "*" if share >= 0.999 else "~"

@@ -69,12 +69,15 @@ def layers_table(layers: list[dict], top: int | None = None, path: str | None = 
     head = (f"{'layer':<31} {'kind':<11} {'underflow':>9} {'at most':>8} {'zero':>8} {'subnorm':>8} {'headroom':>8} "
             f"{'amax':>8}")
     lines = [head]
-    for r in rows:
+    marks = [sections.measured_mark(r.get("underflow_measured")) for r in rows]
+    for r, mark in zip(rows, marks):
         lines.append(f"{shorten(sections.layer_label(r), 31, keep_head=False):<31} {r['kind']:<11} "
-                     f"{percent(r['underflow_rate']):>9} "
+                     f"{percent(r['underflow_rate']) + mark:>9} "
                      f"{percent(r.get('underflow_rate_max')):>8} "
                      f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
+    if any(marks):
+        lines.append(sections.MEASURED_LEGEND)
     if top is not None and len(layers) > top:
         run = shlex.quote(str(path)) if path is not None else "RUN"
         lines.append(f"… {len(layers) - top} more (ampdoctor layers {run} --top N)")

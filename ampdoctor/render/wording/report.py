@@ -121,8 +121,10 @@ def recorded_underflow_range(median_scale, underflow, undecided):
 
 
 @register
-def recorded_underflow(rate, median_scale):
-    return (f"at the recorded scales an estimated {percent(rate)} of gradient elements underflowed to zero "
+def recorded_underflow(rate, median_scale, measured_steps=0, steps=0):
+    how = ("a measured" if steps and measured_steps == steps else
+           "an estimated" if not measured_steps else f"({measured_steps} of {steps} steps measured, the rest estimated)")
+    return (f"at the recorded scales {how} {percent(rate)} of gradient elements underflowed to zero "
             f"(median scale {scale_str(median_scale)})")
 
 
