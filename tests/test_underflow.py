@@ -97,3 +97,47 @@ def test_structural_zeros_are_not_underflow(tmp_path):
     rates = _layer_rates(path)
     assert rates["fc2.weight"]["zero_rate"] >= 0.5  # the dead units' columns
     assert rates["fc2.weight"]["underflow_rate"] < 0.01
+
+
+def test_a_drifting_run_s_range_holds_the_measured_underflow(tmp_path):
+    """Gradients that shrink by 2^4 between samples (the loss falls geometrically, the scale is
+    fixed): the steps between samples lose more below the cut-off than their sample did. The run's
+    range, from samples every 50 steps with no step measured, holds the underflow a run measured at
+    every step finds (float32 shadow, checked against fp32 references in test_underflow_probe.py).
+    Without the drift of the gradient norm the range missed it: ..0.79% against 1.58%."""
+    import architectures as A
+
+    def run(path, **options):
+        arch = A.build("nanogpt")
+        opt = torch.optim.SGD(arch.model.parameters(), lr=1e-3)
+        with ampdoctor.GradScaler("cpu", model=arch.model, path=path, init_scale=2.0**6, growth_interval=10**6,
+                                  amp_dtype=torch.float16, **options) as scaler:
+            for t in range(120):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = arch.loss(arch.model, t) * 2.0 ** (-8 - 4 * t / 40)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+        return ampdoctor.report(path)["recommendation"]["current"]
+
+    truth = run(tmp_path / "dense", every=1, measure_every=1)
+    sampled = run(tmp_path / "sampled", every=40, measure_every=0)
+    assert truth["underflow_rate"] > 0.005  # (it does underflow, and more as it goes)
+    tolerance = max(0.005, 0.25 * truth["underflow_rate"])
+    assert sampled["underflow_rate_min"] - tolerance <= truth["underflow_rate"] <= sampled["underflow_rate_max"] + tolerance
+
+
+def test_the_underflow_model_reads_a_drift_as_a_moved_cut_off():
+    """Magnitudes 2^4 smaller lose at a cut-off what the recorded ones lose 4 binades higher."""
+    from ampdoctor.analysis.underflow import UnderflowModel
+
+    hist = torch.zeros(1, 64, dtype=torch.float64)
+    hist[0, 20:30] = torch.arange(1, 11, dtype=torch.float64) * 100  # binades 2^-36 .. 2^-27 (min_exp -56)
+    cut = torch.tensor([-34.0]).numpy()
+    at_cut = torch.tensor([50.0]).numpy()
+    plain = UnderflowModel(hist.numpy(), cut, at_cut, -56)
+    drifted = UnderflowModel(hist.numpy(), cut, at_cut, -56, drift_log2=torch.tensor([-4.0]).numpy())
+    for x in (-40.0, -34.0, -31.0, -28.0):
+        assert drifted.lost(torch.tensor([x]).numpy())[0] == plain.lost(torch.tensor([x + 4]).numpy())[0]
+    assert drifted.lost(cut)[0] > plain.lost(cut)[0] == 50.0

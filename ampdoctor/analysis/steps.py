@@ -42,6 +42,8 @@ class StepSeries:
     lost_fraction: np.ndarray | None = None  # per step: of the zeros, the share estimated lost to underflow
     undecided_fraction: np.ndarray | None = None  # per step: of the zeros, the share undecided
     n_zero_lines: np.ndarray | None = None   # per step: zeros in all-zero lines (NaN where not recorded)
+    measured: np.ndarray | None = None       # per step: its parameter gradients' underflow was measured
+    drift_log2: np.ndarray | None = None     # per step: log2 of its gradient norm over its sample's (0 when sampled)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -53,8 +55,10 @@ class StepSeries:
         return np.log2(self.fmt.underflow_below / scale)
 
     def underflow_model(self) -> UnderflowModel:
-        """The underflow of the zeros the estimate counts (not the undecided ones)."""
-        return UnderflowModel(self.hist, self.recorded_cut_log2, self._bounds()[0], self.min_exp)
+        """The underflow of the zeros the estimate counts (not the undecided ones). A step between
+        samples takes its sample's histogram moved by the drift of the gradient norm since then
+        (the norm is recorded every step): shrinking gradients lose more below the cut-off."""
+        return UnderflowModel(self.hist, self.recorded_cut_log2, self._bounds()[0], self.min_exp, self.drift_log2)
 
     def undecided(self) -> np.ndarray:
         """Per step: zeros whose underflow is undecided at any scale (:mod:`~ampdoctor.analysis.replay`)."""
@@ -110,13 +114,17 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     numel, n_zero, n_subnormal = f64("numel"), np.nan_to_num(f64("n_zero")), np.nan_to_num(f64("n_subnormal"))
     source = _nearest_sampled(agg["sampled"].to_numpy(bool))
     ratio = np.divide(numel, numel[source], out=np.zeros(len(numel)), where=numel[source] > 0)
+    l2 = f64("l2")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        drift = np.log2(l2 / l2[source])
+    drift = np.where(np.isfinite(drift), drift, 0.0)  # a non-finite or zero norm: no drift to read
     return StepSeries(
         steps=agg.index.to_numpy(dtype=np.int64), scale=scale, recorded_scale=f64("scale"), skipped=agg["skipped"].to_numpy(bool),
         forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=f64("l2"),
         loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=numel,
         n_zero=n_zero[source] * ratio, n_subnormal=n_subnormal[source] * ratio, hist=merged_hist[source] * ratio[:, None],
         ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source],
-        n_zero_lines=f64("n_zero_lines")[source] * ratio)
+        n_zero_lines=f64("n_zero_lines")[source] * ratio, drift_log2=drift)
 
 
 def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
@@ -133,7 +141,8 @@ def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
     """Use the per-parameter underflow estimates of the sampled steps (which tell structural zeros
     from underflowed ones tensor by tensor) instead of the all-gradients estimate: each step takes
     the shares of its zeros that were lost, and that were undecided, interpolated between the
-    sampled steps around it (the nearest one before the first or after the last)."""
+    sampled steps around it (the nearest one before the first or after the last). A measured step's
+    shares are its measured ones (no undecided zeros)."""
     if param_lost is None or param_lost.empty:
         return
     zeros = param_lost["n_zero"].where(param_lost["n_zero"] > 0)
@@ -146,3 +155,6 @@ def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
     shares = shares.reindex(series.steps).fillna(0.0)
     series.lost_fraction = shares["lost"].to_numpy(dtype=np.float64)
     series.undecided_fraction = shares["undecided"].to_numpy(dtype=np.float64)
+    if "measured" in param_lost:
+        measured = param_lost["measured"][param_lost["measured"]]
+        series.measured = np.isin(series.steps, measured.index.to_numpy())

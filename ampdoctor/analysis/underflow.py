@@ -175,8 +175,13 @@ class UnderflowModel:
     ``lost(x)`` = ρ·2^x below the recorded cut-off x₀, and the estimate at x₀ plus the recorded
     elements between x₀ and 2^x above it."""
 
-    def __init__(self, hist: np.ndarray, cut_log2: np.ndarray, at_cut: np.ndarray, min_exp: int) -> None:
-        """``at_cut``: the elements lost at the recorded cut-off (the estimate of :func:`underflow_bounds`)."""
+    def __init__(self, hist: np.ndarray, cut_log2: np.ndarray, at_cut: np.ndarray, min_exp: int,
+                 drift_log2: np.ndarray | None = None) -> None:
+        """``at_cut``: the elements lost at the recorded cut-off (the estimate of :func:`underflow_bounds`).
+        ``drift_log2``: per observation, how many binades its magnitudes moved since the histogram
+        was recorded (a step between samples whose gradient norm fell by 2^4: -4); a cut-off x then
+        loses what the recorded magnitudes lose at x - drift."""
+        self.drift_log2 = None if drift_log2 is None else np.asarray(drift_log2, dtype=np.float64)
         hist = np.asarray(hist, dtype=np.float64)
         self.min_exp = min_exp
         self.cut_log2 = np.asarray(cut_log2, dtype=np.float64)
@@ -188,6 +193,8 @@ class UnderflowModel:
         """Estimated elements below 2^x (that would round to 0 with that cut-off); ``x_log2`` of
         shape [n] or [n, g] (one column per candidate cut-off)."""
         x = np.asarray(x_log2, dtype=np.float64)
+        if self.drift_log2 is not None:
+            x = x - (self.drift_log2 if x.ndim == 1 else self.drift_log2[:, None])
         cut = self.cut_log2 if x.ndim == 1 else self.cut_log2[:, None]
         at_cut = self.at_cut if x.ndim == 1 else self.at_cut[:, None]
         below_cut = self.below_cut if x.ndim == 1 else self.below_cut[:, None]
