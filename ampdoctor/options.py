@@ -26,7 +26,7 @@ class RecordOptions:
     level: str = "params"
     every: int | None = None          # None: DEFAULT_EVERY
     module_every: int | None = None   # None: ``every`` when given, else DEFAULT_MODULE_EVERY
-    measure_every: int | None = None  # measured underflow (underflow_probe.py); None: as module_every; 0: never
+    measure_every: int | None = None  # measured underflow (underflow_probe.py); None: module_every or 1000; 0: never
     strict: bool = False
     flush_every: int = 1000
     flush_seconds: float = 60.0
@@ -52,12 +52,13 @@ class RecordOptions:
 
     @property
     def measure_interval(self) -> int:
-        """Steps between measured-underflow steps (0: none). By default the module interval,
-        rounded up to a multiple of the gradient interval (a measured step is a sampled one)."""
+        """Steps between measured-underflow steps (0: none). By default ``module_every`` when
+        given, else DEFAULT_MODULE_EVERY (not ``every``: a measured step costs several sampled
+        ones), rounded up to a multiple of the gradient interval (a measured step is a sampled one)."""
         if self.measure_every is not None:
             return self.measure_every
         every = self.gradient_interval
-        return -(-self.module_interval // every) * every
+        return -(-(self.module_every or DEFAULT_MODULE_EVERY) // every) * every
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:

@@ -57,6 +57,8 @@ def _guarded(method):
     @functools.wraps(method)
     def run(self: "Recorder", *args, **kwargs):
         if not self.active:
+            if self._probe_active:  # (stopped inside a measured step's backward: leave its mode here)
+                self._end_probe()
             return None
         try:
             return method(self, *args, **kwargs)
@@ -162,6 +164,8 @@ class Recorder:
         """Stop recording after ``exc``: warn once, or raise in strict mode."""
         self.active = False
         self._remove_hooks()
+        if self._probe is not None:  # a flag (this may be an autograd thread): the mode passes every op through;
+            self._probe._drop("recording stopped")  # the training thread leaves it at its next scaler call
         if threading.current_thread() is threading.main_thread():
             self.writer.close()
         else:  # an autograd device thread (a gradient tap): joining the writer would stall backward
@@ -189,9 +193,9 @@ class Recorder:
         runs only if this is still its scaler's recorder (an abandoned scaler's run must not
         describe parameters that another scaler went on training)."""
         self._anomalies.closing = True  # the close writes everything: anomalies found now need no sync of their own
+        self._end_probe()  # (a run closed, or stopped, between scale() and unscale_: leave the shadow backward)
         if self.active:
             try:
-                self._end_probe()  # (a run closed between scale() and unscale_: leave the shadow backward)
                 deadline = None if timeout is None else time.monotonic() + timeout
                 self._anomalies.check(self.step, wait=True, deadline=deadline)
                 scaler = self._scaler_ref()
@@ -279,11 +283,12 @@ class Recorder:
         if not roots:
             return
         if not self._probe_active:
+            _leave_orphans()
             reason = None
             if torch._C._len_torch_dispatch_stack() > 0:
                 reason = "another TorchDispatchMode is active around the backward"
-            elif torch.compiler.is_compiling() or self._compiled:
-                reason = "the model runs under torch.compile"
+            elif torch.compiler.is_compiling() or self._compiled or _compiled_backward(roots):
+                reason = "its backward runs code compiled by torch.compile"
             if reason is not None:
                 self._probe = None
                 self._warn_probe(f"underflow is not measured in step {self.step}: {reason}")
@@ -488,6 +493,10 @@ class Recorder:
                 group.measured = copy(group.measured)
         record.tap_measured = _stack_measured(record.taps, copy)
         self._end_probe()
+        if self._probe is not None and self._probe.dropped:  # (out of memory: freed, and training went on)
+            self._plan.measure_every = 0
+            self._warn_probe(f"underflow is not measured from step {self.step} on: {self._probe.dropped}; "
+                             "the shadows were freed")
         self._probe = None if not self._probe_active else self._probe  # (its shadows go with it)
         if record.params is not None:
             record.params.peaks = copy(record.params.peaks)
@@ -530,6 +539,8 @@ class Recorder:
         taps = self._taps
         if taps is not None:
             taps.stop()
+        if self._probe is not None:  # (a flag: its mode, if left active, passes every op through)
+            self._probe._drop("the scaler was dropped")
 
     def _taps_off(self, why: str) -> None:
         """Stop module taps for good (warning once); the rest of the recording goes on."""
@@ -564,6 +575,35 @@ class Recorder:
     def _metadata(self) -> dict[str, str]:
         """The metadata of a segment written now (writer thread)."""
         return self._run_metadata(amp_dtype=self.amp_dtype, run_id=self.run_id, dropped_steps=self.dropped_steps)
+
+
+def _leave_orphans() -> None:
+    """Leave the shadow modes that a stopped or dropped recorder left on top of this thread's
+    dispatch stack (they pass every op through, at a Python call each). Training thread."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _get_current_dispatch_mode()
+    while isinstance(mode, ShadowBackward) and mode.dropped:
+        mode.__exit__(None, None, None)
+        mode = _get_current_dispatch_mode()
+
+
+def _compiled_backward(roots: list[torch.Tensor], limit: int = 200_000) -> bool:
+    """Whether the backward of ``roots`` runs a region compiled by ``torch.compile`` (aot_autograd's
+    ``CompiledFunctionBackward``): its kernels bypass the dispatcher and reuse buffers that have
+    shadows, so the shadows would go stale (wrong counts, not missing ones). A walk of the graph:
+    on measured steps only. No sync."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if "CompiledFunction" in type(node).__name__:
+            return True
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def _paused(probe: ShadowBackward, observe):

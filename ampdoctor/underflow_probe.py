@@ -19,30 +19,41 @@ cut-off; :meth:`ShadowBackward.count` compares them. Autograd's worker threads r
 too (it is part of the thread-local state autograd carries into them).
 
 Nothing the user can see runs twice: no autograd hook, module hook or optimizer hook (those are
-Python callbacks, above the dispatcher), and no collective: an op of a distributed namespace
-(DDP's and FSDP's reductions) is never shadowed, and its outputs, and every tensor later computed
-from them, are *unmeasured* (counted as such, never guessed). Ops that do not produce a floating
-tensor (``.item()``, ``nonzero``) are never shadowed, so the shadow adds no host-device sync;
-ampdoctor's own work inside the backward (the module taps) runs :meth:`paused`.
+Python callbacks, above the dispatcher); no collective (an op of a distributed namespace: DDP's and
+FSDP's reductions), custom op (its Python body) or random op (the random stream stays the one
+training draws from), no op that re-points a tensor's storage (``set_``): they run once, and their
+outputs, and every tensor later computed from them or sharing a collective's storage (a bucket's
+views), are *unmeasured* (counted as such, never guessed). Ops that do not produce a floating
+tensor (``.item()``, ``nonzero``) are never shadowed, nor, on an accelerator, ops that find a
+boolean mask's elements (``logits[mask]``'s backward): the shadow adds no host-device sync.
+ampdoctor's own work inside the backward (the module taps) runs :meth:`paused`. A shadow op never
+writes a real tensor (a written argument without a shadow is copied, once, at every place it is
+passed), and no shadow aliases a real tensor.
 
 Limits. An op that refuses float32 inputs (a fused kernel for half types only) runs on bfloat16
 shadows instead (the same exponent range: no underflow short of 2^-133), else its outputs are
 unmeasured. A kernel that bypasses the dispatcher (an extension writing by ``data_ptr``) leaves
-its outputs without shadows: later ops read their real values as if they were activations, so
-what underflowed before it is not counted there (a lower bound). A gradient that is mathematically
-zero (an attention key bias) can be rounding noise in the shadow, computed from the half-precision
-activations, and count as underflow where the half backward gives exactly 0: a float64 shadow
-computes from the same rounded activations and cannot tell either (tried: the same 4 of 2556
-parameter gradients of benchmarks/underflow_accuracy.py off). A user-given
-``backward(gradient=...)`` is not seeded: nothing is measured. Cost: every op of the measured
-step's backward goes through Python and runs twice (in float32); memory: a float32 shadow per live
-gradient, the parameter gradients' until the step ends. Measured steps are rare
-(``measure_every``) for that reason.
+new outputs without shadows (later ops read their real values as if they were activations: what
+underflowed before it is not counted there, a lower bound), and one that writes in place into a
+gradient that has a shadow leaves that shadow stale: wrong counts from there (a fused extension
+backward that reuses its output-gradient buffer; a region compiled by ``torch.compile``, whose
+generated kernels do both: a backward that runs one is found by the recorder and not measured). A
+gradient that is mathematically zero (an attention key bias) can be rounding noise in the shadow,
+computed from the half-precision activations, and count as underflow where the half backward gives
+exactly 0: a float64 shadow computes from the same rounded activations and cannot tell either
+(tried: the same 4 of 2556 parameter gradients of benchmarks/underflow_accuracy.py off). A
+user-given ``backward(gradient=...)`` is not seeded: nothing is measured. Cost: every op of the
+measured step's backward goes through Python and runs twice (in float32); memory: a float32 shadow
+per live gradient, the parameter gradients' until the step ends. Measured steps are rare
+(``measure_every``) for that reason. Should a real op run out of memory while shadows are held,
+the shadows are freed and (if it wrote nothing and drew no random number) the op runs again: the
+step goes unmeasured and training does not fail.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -51,7 +62,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 _HALF = (torch.float16, torch.bfloat16)
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
+                                    "_dtensor", "symm_mem"})
+_SHADOWED_NAMESPACES = frozenset({"aten", "prims"})  # a custom op's Python body must not run twice
+_STORAGE_OPS = frozenset({"set_", "resize_", "resize_as_", "as_strided_"})  # they make a tensor another's alias
+# Ops that, given a boolean mask, find its true elements (a host-device sync on an accelerator).
+_MASK_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_", "masked_select", "masked_scatter",
+                       "masked_scatter_"})
+_RANDOM, _INPLACE_VIEW, _DYNAMIC_SHAPE = (torch.Tag.nondeterministic_seeded, torch.Tag.inplace_view,
+                                          torch.Tag.dynamic_output_shape)
 _ONES_LIKE = torch.ops.aten.ones_like.default
 _Tensor = torch.Tensor
 
@@ -78,8 +97,11 @@ class ShadowBackward(TorchDispatchMode):
         self._shadows = WeakIdKeyDictionary()  # real tensor -> float32 (or bfloat16) shadow, or UNMEASURED
         self._roots = WeakIdKeyDictionary()    # seeded losses and tensors computed from them (forward)
         self._local = threading.local()        # .paused: ampdoctor's own ops pass straight through
-        self._collective_storages: set[int] = set()  # storages a collective wrote: what reads them is unmeasured
+        # Storages a collective wrote (address -> weak references to its tensors, while one lives:
+        # an address is reused once freed): what reads them is unmeasured.
+        self._collective_storages: dict[int, list] = {}
         self.shadowed_ops = 0                  # ops run a second time
+        self.dropped: str | None = None        # why the shadows were dropped (out of memory): nothing is measured
         self.unmeasured_ops: dict[str, int] = {}  # op -> times its outputs went unmeasured
 
     def seed(self, loss: torch.Tensor) -> None:
@@ -92,7 +114,10 @@ class ShadowBackward(TorchDispatchMode):
         return _Paused(self._local)
 
     def shadow(self, real: torch.Tensor) -> torch.Tensor | None:
-        """``real``'s shadow, or None when it has no usable one (none, unmeasured, reshaped)."""
+        """``real``'s shadow, or None when it has no usable one (none, unmeasured, reshaped,
+        dropped)."""
+        if self.dropped:
+            return None
         shadow = self._shadows.get(real)
         if shadow is None or shadow is UNMEASURED or shadow.shape != real.shape:
             return None
@@ -120,47 +145,67 @@ class ShadowBackward(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(self._local, "paused", False):
+        if getattr(self._local, "paused", False) or self.dropped:
             return func(*args, **kwargs)
         flat, spec = tree_flatten((args, kwargs))
         if func.namespace in _COLLECTIVE_NAMESPACES:
             return self._collective(func, args, kwargs, flat)
-        if self._collective_storages and any(_storage(a) in self._collective_storages for a in flat):
-            return self._unmeasured(func, args, kwargs, flat)
+        if self._collective_storages and any(self._from_collective(a) for a in flat):
+            return self._unmeasured(func, args, kwargs, flat, taint=True)
         shadows = [self._shadows.get(a) if isinstance(a, _Tensor) else None for a in flat]
         if all(s is None for s in shadows):
             if func is _ONES_LIKE and args[0] in self._roots:  # autograd's seed gradient of a root
-                out = func(*args, **kwargs)
+                out = self._call(func, args, kwargs)
                 self._shadows[out] = torch.ones_like(out, dtype=self.dtype)
                 return out
-            out = func(*args, **kwargs)
+            out = self._call(func, args, kwargs)
             if self._roots and any(isinstance(a, _Tensor) and a in self._roots for a in flat):
                 for o in tree_flatten(out)[0]:  # (loss / accumulation_steps is a root too)
                     if isinstance(o, _Tensor) and o.is_floating_point():
                         self._roots[o] = True
             return out
+        if not _shadowable(func, flat) or not _same_layouts(func, flat, shadows):
+            return self._unmeasured(func, args, kwargs, flat)
         return self._shadowed(func, args, kwargs, flat, spec, shadows)
 
     def _collective(self, func, args, kwargs, flat):
         """A collective (DDP's, FSDP's reductions): run once, never on shadows (the other ranks
         would not take part). Its tensors, and from now on every tensor that shares their
         storage (a bucket's views) or is computed from them, are unmeasured."""
-        out = func(*args, **kwargs)
+        out = self._call(func, args, kwargs)
         tensors = [t for t in (*flat, *tree_flatten(out)[0]) if isinstance(t, _Tensor)]
-        self._collective_storages.update(_storage(t) for t in tensors)
-        self._collective_storages.discard(None)
+        for t in tensors:
+            self._taint(t)
         for t in tensors:
             if t.is_floating_point():
                 self._shadows[t] = UNMEASURED
         self._count_unmeasured(func)
         return out
 
-    def _unmeasured(self, func, args, kwargs, flat):
-        """An op that reads what a collective wrote: run once; its floating outputs and the
-        tensors it writes are unmeasured."""
-        out = func(*args, **kwargs)
+    def _taint(self, t: torch.Tensor) -> None:
+        key = _storage(t)
+        if key is not None:
+            self._collective_storages.setdefault(key, []).append(weakref.ref(t))
+
+    def _from_collective(self, a: Any) -> bool:
+        """Whether ``a`` shares a storage a collective wrote (and that storage still lives)."""
+        key = _storage(a)
+        refs = self._collective_storages.get(key) if key is not None else None
+        if refs is None:
+            return False
+        if any(r() is not None for r in refs):
+            return True
+        del self._collective_storages[key]  # freed: the address may be another tensor's now
+        return False
+
+    def _unmeasured(self, func, args, kwargs, flat, taint: bool = False):
+        """An op that is not shadowed (one that reads what a collective wrote, with ``taint``; a
+        custom op, a random one, one that re-points a tensor's storage, one that would sync): run
+        once; its floating outputs and the tensors it writes are unmeasured."""
+        out = self._call(func, args, kwargs)
         for i in _written(func, args, kwargs, flat):
-            self._collective_storages.add(_storage(flat[i]))
+            if taint:
+                self._taint(flat[i])
             if flat[i].is_floating_point():
                 self._shadows[flat[i]] = UNMEASURED
         for o in tree_flatten(out)[0]:
@@ -184,9 +229,9 @@ class ShadowBackward(TorchDispatchMode):
         if written:
             if measurable:
                 shadow_out, shadow_flat = self._run_shadow(func, flat, spec, shadows, written)
-            out = func(*args, **kwargs)
+            out = self._call(func, args, kwargs)
         else:
-            out = func(*args, **kwargs)
+            out = self._call(func, args, kwargs)
             if not any(isinstance(o, _Tensor) and o.is_floating_point() for o in tree_flatten(out)[0]):
                 return out
             if measurable:
@@ -207,8 +252,32 @@ class ShadowBackward(TorchDispatchMode):
         for i in written:  # in place: the real input's shadow is the one the shadow op wrote
             if flat[i].is_floating_point():
                 s = shadow_flat[i] if shadow_flat is not None else None
+                if isinstance(s, _Tensor) and _storage(s) in real:
+                    s = s.clone()
                 self._shadows[flat[i]] = s if isinstance(s, _Tensor) else UNMEASURED
         return out
+
+    def _call(self, func, args, kwargs):
+        """The real op. Should it run out of memory while shadows are held, the shadows are
+        dropped (this step is unmeasured from here on) and it runs once more: the measurement
+        never makes training run out of memory."""
+        try:
+            return func(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if self.dropped or not self._drop("a real op ran out of memory with the shadows held"):
+                raise
+            if func._schema.is_mutable or _RANDOM in func.tags:
+                raise  # (it may have written, or drawn, before it failed: not run twice; the shadows are freed)
+            return func(*args, **kwargs)
+
+    def _drop(self, why: str) -> bool:
+        """Free every shadow and pass every op straight through from now on; False if there was
+        nothing to free."""
+        had = len(self._shadows) > 0
+        self.dropped = why
+        self._shadows = WeakIdKeyDictionary()
+        self._roots = WeakIdKeyDictionary()
+        return had
 
     def _run_shadow(self, func, flat, spec, shadows, written):
         """``func`` on the shadow arguments, in float32, else in bfloat16 (a kernel for half types
@@ -216,13 +285,22 @@ class ShadowBackward(TorchDispatchMode):
         shadow op must never write a real tensor."""
         for dtype in dict.fromkeys((self.dtype, torch.bfloat16)):
             shadow_flat = [_shadow_arg(a, s, dtype) for a, s in zip(flat, shadows)]
-            for i in written:
-                if shadow_flat[i] is flat[i]:
-                    shadow_flat[i] = flat[i].clone()
+            # A written tensor without a shadow gets one copy, at every place it is passed (an
+            # out= that is also an input): the shadow op must never write a real tensor.
+            targets = {id(flat[i]) for i in written}
+            copies: dict[int, torch.Tensor] = {}
+            for i, a in enumerate(flat):
+                if id(a) in targets and shadow_flat[i] is a:
+                    if id(a) not in copies:
+                        copies[id(a)] = a.clone()
+                    shadow_flat[i] = copies[id(a)]
             shadow_args, shadow_kwargs = tree_unflatten(shadow_flat, spec)
             try:
                 with self.paused():
                     return func(*shadow_args, **shadow_kwargs), shadow_flat
+            except torch.OutOfMemoryError:
+                self._drop("a shadow op ran out of memory")
+                return None, None
             except Exception:  # noqa: BLE001 - try bfloat16, then give up (unmeasured)
                 continue
         return None, None
@@ -252,6 +330,36 @@ def _shadow_arg(a: Any, shadow: Any, dtype: torch.dtype) -> Any:
     if isinstance(a, torch.dtype) and _converts(a, dtype):
         return dtype
     return a
+
+
+def _shadowable(func, flat: list) -> bool:
+    """Whether ``func`` may run a second time on shadows: an aten op that draws no random
+    numbers, does not re-point a tensor's storage, and (on an accelerator) does not sync to find
+    a mask's elements."""
+    if func.namespace not in _SHADOWED_NAMESPACES:
+        return False
+    tags = func.tags
+    name = func.overloadpacket.__name__
+    if _RANDOM in tags or _INPLACE_VIEW in tags or name in _STORAGE_OPS:
+        return False
+    on_device = any(isinstance(a, _Tensor) and a.device.type not in ("cpu", "meta") for a in flat)
+    if on_device and (_DYNAMIC_SHAPE in tags or (name in _MASK_OPS and any(
+            isinstance(a, _Tensor) and a.dtype == torch.bool for a in flat))):
+        return False
+    return True
+
+
+def _same_layouts(func, flat: list, shadows: list) -> bool:
+    """For the ops that address a tensor's storage directly (``as_strided``): whether every
+    shadow has its real tensor's layout in storage (a shadow made by a copy is compact)."""
+    if not func.overloadpacket.__name__.startswith("as_strided"):
+        return True
+    for a, s in zip(flat, shadows):
+        if isinstance(s, _Tensor) and (s.stride() != a.stride() or s.storage_offset() != a.storage_offset()
+                                       or s.untyped_storage().nbytes() // s.element_size()
+                                       != a.untyped_storage().nbytes() // a.element_size()):
+            return False
+    return True
 
 
 def _storage(t: Any) -> int | None:

@@ -119,7 +119,7 @@ def test_training_is_bit_identical_with_measurement(variant, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ampdoctor.GradScaler("cpu", init_scale=2.0**6, model=measured, path=tmp_path / "run", level="full",
-                                  every=1) as scaler:
+                                  every=1, measure_every=1) as scaler:
             _train(measured, scaler, data, **options)
     for a, b in zip(reference.parameters(), measured.parameters()):
         assert torch.equal(a, b)
@@ -135,8 +135,8 @@ def test_training_is_bit_identical_with_measurement(variant, tmp_path):
 
 
 def test_a_default_run_measures_once_per_module_interval(tmp_path):
-    """By default the measured steps are the module-sampled ones (rounded up to a sampled step);
-    ``measure_every=0`` measures none."""
+    """By default one step in 1000 is measured (``module_every`` when given), rounded up to a
+    sampled step, whatever ``every``; ``measure_every=0`` measures none."""
     def measured_steps(**options):
         path = tmp_path / f"{len(list(tmp_path.iterdir()))}"
         torch.manual_seed(0)
@@ -147,6 +147,7 @@ def test_a_default_run_measures_once_per_module_interval(tmp_path):
         return sorted(set(rows[rows.n_underflow.notna()].step))
 
     assert measured_steps(every=5, module_every=4) == [0, 5, 10]
+    assert measured_steps(every=1) == [0]
     assert measured_steps(every=2, measure_every=3) == [0, 3, 6, 9]
     assert measured_steps(every=1, measure_every=0) == []
     with pytest.raises(ValueError, match="measure_every"):
@@ -190,7 +191,7 @@ def test_a_scaler_without_model_measures_its_parameter_gradients(tmp_path):
     """No ``model=``: no module taps, but the parameter gradients are measured all the same."""
     torch.manual_seed(0)
     m = DeepNet()
-    with ampdoctor.GradScaler("cpu", path=tmp_path / "run", every=1, init_scale=1.0) as scaler:
+    with ampdoctor.GradScaler("cpu", path=tmp_path / "run", every=1, measure_every=1, init_scale=1.0) as scaler:
         _train(m, scaler, [(x * 1e-4, y) for x, y in batches(2, batch=8)])
     rows = ampdoctor.load(tmp_path / "run")
     params = rows[rows.kind == "param_grad"]
@@ -209,7 +210,8 @@ def test_hooks_run_once_on_a_measured_step(tmp_path):
     p = next(m.parameters())
     p.register_post_accumulate_grad_hook(lambda t: calls.__setitem__("post", calls["post"] + 1))
     p.register_hook(lambda g: calls.__setitem__("param", calls["param"] + 1))
-    with ampdoctor.GradScaler("cpu", model=m, path=tmp_path / "run", every=1, init_scale=1.0) as scaler:
+    with ampdoctor.GradScaler("cpu", model=m, path=tmp_path / "run", every=1, measure_every=1,
+                              init_scale=1.0) as scaler:
         for x, y in batches(2, batch=8):
             with torch.autocast("cpu", dtype=torch.float16):
                 out = m(x)
@@ -266,3 +268,182 @@ def test_closing_between_scale_and_step_leaves_the_shadow(tmp_path):
     assert torch._C._len_torch_dispatch_stack() == 1
     scaler.close()
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_running_out_of_memory_drops_the_shadows_not_the_training(tmp_path, monkeypatch):
+    """A real op that runs out of memory while shadows are held (here: raised once by the test,
+    as the allocator would) runs again after the shadows are freed: training goes on bit for bit,
+    the step is unmeasured, one warning, and no later step is measured."""
+    from ampdoctor import underflow_probe
+
+    real_call = underflow_probe.ShadowBackward._call
+    failed = []
+
+    def call(self, func, args, kwargs):
+        if failed or len(self._shadows) <= 4 or func is not torch.ops.aten.mm.default:
+            return real_call(self, func, args, kwargs)
+
+        def once(*a, **k):  # the op's first attempt runs out of memory, as the allocator raises it
+            if not failed:
+                failed.append(func)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return func(*a, **k)
+        once._schema, once.tags = func._schema, func.tags
+        return real_call(self, once, args, kwargs)
+
+    data = batches(3, batch=8)
+    torch.manual_seed(0)
+    reference = DeepNet()
+    _train(reference, torch.amp.GradScaler("cpu", init_scale=2.0**6), data)
+    monkeypatch.setattr(underflow_probe.ShadowBackward, "_call", call)
+    torch.manual_seed(0)
+    m = DeepNet()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ampdoctor.GradScaler("cpu", init_scale=2.0**6, model=m, path=tmp_path / "run", every=1,
+                                  measure_every=1) as scaler:
+            _train(m, scaler, data)
+    assert failed
+    for a, b in zip(reference.parameters(), m.parameters()):
+        assert torch.equal(a, b)
+    rows = ampdoctor.load(tmp_path / "run")
+    assert rows[rows.kind == "param_grad"].n_underflow.isna().all()
+    assert sum("ran out of memory" in str(w.message) for w in caught) == 1
+
+
+def test_shadow_ops_leave_real_tensors_random_state_and_custom_ops_alone():
+    """The review's cases: an ``out=`` that is also an input, ``set_``, random ops, a custom op
+    with a side effect, ``as_strided`` on a compact shadow: real values, the random stream and
+    the op's body are as without the probe; what cannot be shadowed is unmeasured."""
+    probe = ShadowBackward()
+    g = torch.full((4,), 0.5, dtype=torch.float16)
+    x, y, b = torch.ones(4), torch.ones(4), torch.ones(4)
+    with probe:
+        probe._shadows[g] = torch.full((4,), 0.25)
+        torch.add(x, g, out=x)       # out= aliases an input without a shadow
+        torch.mul(y, g, out=y)
+        a = g.float() * 1            # a shadowed float32 tensor
+        a.set_(b)                    # now b's alias: not shadowed
+        a.add_(g)
+    assert torch.equal(x, torch.full((4,), 1.5)) and torch.equal(probe.shadow(x), torch.full((4,), 1.25))
+    assert torch.equal(y, torch.full((4,), 0.5)) and torch.equal(b, torch.full((4,), 1.5))
+    assert probe.shadow(a) is None
+
+    # The random stream: the same draws after random ops on shadowed tensors as without them.
+    def draws(with_probe):
+        torch.manual_seed(0)
+        h = torch.full((64,), 0.5, dtype=torch.float16)
+        p = ShadowBackward()
+        with (p if with_probe else _nothing()):
+            if with_probe:
+                p._shadows[h] = torch.full((64,), 0.5)
+            out = torch.nn.functional.dropout(h, 0.5) + torch.randn_like(h)
+            return out, torch.rand(3)
+    assert all(torch.equal(u, v) for u, v in zip(draws(True), draws(False)))
+
+    calls = []
+
+    @torch.library.custom_op("ampdoctor_test::halve", mutates_args=())
+    def halve(t: torch.Tensor) -> torch.Tensor:
+        calls.append(t.dtype)
+        return t * 0.5
+
+    probe = ShadowBackward()
+    with probe:
+        probe._shadows[g] = torch.full((4,), 0.25)
+        h = halve(g)
+    assert calls == [torch.float16] and probe.shadow(h) is None
+
+    probe = ShadowBackward()
+    buf = torch.zeros(10)
+    view = buf[2:8]
+    src = torch.arange(6.0)
+    with probe:
+        probe._shadows[src] = torch.arange(6.0) + 100
+        view.copy_(src)                            # view's shadow: a compact copy
+        w = view.as_strided((2,), (1,), 2)         # addresses buf's storage: [src[0], src[1]]
+    assert probe.shadow(w) is None and w.tolist() == [0.0, 1.0]
+
+
+def test_a_freed_collective_buffer_s_address_is_not_held_against_a_new_tensor(monkeypatch):
+    """Storage addresses are reused once freed (the caching allocator does it all the time): a
+    collective's storage taints what reads it only while one of its tensors lives. Address reuse
+    is simulated by one address for every tensor."""
+    from ampdoctor import underflow_probe
+
+    monkeypatch.setattr(underflow_probe, "_storage", lambda t: 4096 if isinstance(t, torch.Tensor) else None)
+    probe = ShadowBackward()
+    bucket = torch.zeros(8)
+    probe._taint(bucket)
+    other = torch.ones(8)
+    assert probe._from_collective(other)          # the same address while the bucket lives
+    del bucket
+    assert not probe._from_collective(other) and not probe._collective_storages
+
+
+def test_a_recorder_failure_or_a_dropped_scaler_never_leaves_the_mode_behind(tmp_path, monkeypatch):
+    """A tap that fails inside a measured step's backward stops recording (as any recorder
+    failure): the mode is left at the scaler's next call. A scaler dropped between ``scale()``
+    and ``step()`` (an exception) leaves a mode that passes ops through, and the next recording
+    scaler leaves it before measuring."""
+    import gc
+
+    from ampdoctor.recorder import Recorder
+
+    m = DeepNet()
+    x, y = batches(1, batch=4)[0]
+    real = Recorder.observe_tap
+
+    def broken(self, kind, call, order, tensor):
+        if kind == "grad_output":
+            raise RuntimeError("a tap bug")
+        return real(self, kind, call, order, tensor)
+
+    monkeypatch.setattr(Recorder, "observe_tap", broken)
+    scaler = ampdoctor.GradScaler("cpu", model=m, path=tmp_path / "a", level="full", every=1)
+    with pytest.warns(RuntimeWarning, match="a tap bug"):
+        scaler.scale(mse(m, x, y)).backward()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    scaler.step(opt)
+    scaler.update()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    scaler.close()
+    monkeypatch.setattr(Recorder, "observe_tap", real)
+
+    dropped = ampdoctor.GradScaler("cpu", model=m, path=tmp_path / "b", every=1)
+    dropped.scale(mse(m, x, y))  # ... and an exception before backward
+    del dropped
+    gc.collect()
+    assert torch._C._len_torch_dispatch_stack() == 1  # (its mode: passing everything through now)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not "another TorchDispatchMode is active"
+        with ampdoctor.GradScaler("cpu", model=m, path=tmp_path / "c", every=1) as fresh:
+            fresh.scale(mse(m, x, y)).backward()
+            assert torch._C._len_torch_dispatch_stack() == 1
+            fresh.step(opt)
+            fresh.update()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    rows = ampdoctor.load(tmp_path / "c")
+    assert rows[rows.kind == "param_grad"].n_underflow.notna().all()
+
+
+def test_a_compiled_region_in_the_backward_is_not_measured(tmp_path):
+    """Code compiled by torch.compile inside the model: its kernels bypass the dispatcher and
+    reuse buffers, so shadows would go stale; the step is not measured (warned once), and
+    training is as without recording."""
+    class WithCompiled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 4)  # (before the compiled region: its backward runs compiled code)
+            self.act = torch.compile(lambda t: torch.nn.functional.gelu(t) * torch.sigmoid(t), backend="aot_eager")
+
+        def forward(self, t):
+            return self.act(self.fc(t))
+
+    torch.manual_seed(0)
+    m = WithCompiled()
+    with pytest.warns(RuntimeWarning, match="compiled by torch.compile"):
+        with ampdoctor.GradScaler("cpu", model=m, path=tmp_path / "run", every=1) as scaler:
+            _train(m, scaler, batches(2, batch=4))
+    rows = ampdoctor.load(tmp_path / "run")
+    assert rows[rows.kind == "param_grad"].n_underflow.isna().all()

@@ -127,7 +127,8 @@ class _Accumulator:
         self.param_zero = np.zeros(span)
         self.param_undecided = np.zeros(span)     # undecided zeros: the upper bound minus the estimate
         self.param_seen = np.zeros(span, dtype=bool)
-        self.param_measured = np.zeros(span, dtype=bool)  # a parameter gradient's underflow was measured
+        self.param_judged = np.zeros(span)        # elements of the judged parameter gradients ...
+        self.param_measured = np.zeros(span)      # ... and of those whose underflow was measured
         self.module_peak = np.full(span, -np.inf)
 
     def _layer_ids(self, batch: pa.RecordBatch) -> np.ndarray:
@@ -240,7 +241,8 @@ class _Accumulator:
         np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
         np.add.at(self.param_undecided, offset[pf], np.maximum(upper[pf] - lost[pf], 0.0))
         self.param_seen[offset[pf]] = True
-        self.param_measured[offset[pf & measured]] = True
+        np.add.at(self.param_judged, offset[pf & judged], col["numel"][pf & judged])
+        np.add.at(self.param_measured, offset[pf & measured], col["numel"][pf & measured])
         # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
         # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
         in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
@@ -271,7 +273,10 @@ class _Accumulator:
         steps = first_step + np.arange(len(self.param_lost))
         seen = self.param_seen
         param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen],
-                                   "undecided": self.param_undecided[seen], "measured": self.param_measured[seen]},
+                                   "undecided": self.param_undecided[seen],
+                                   # every judged parameter gradient of the step (all ranks) measured
+                                   "measured": (self.param_measured[seen] >= self.param_judged[seen])
+                                   & (self.param_judged[seen] > 0)},
                                   index=steps[seen])
         peak = self.module_peak > -np.inf
         module_peak = pd.Series(self.module_peak[peak], index=steps[peak])
