@@ -141,3 +141,28 @@ def test_the_underflow_model_reads_a_drift_as_a_moved_cut_off():
     for x in (-40.0, -34.0, -31.0, -28.0):
         assert drifted.lost(torch.tensor([x]).numpy())[0] == plain.lost(torch.tensor([x + 4]).numpy())[0]
     assert drifted.lost(cut)[0] > plain.lost(cut)[0] == 50.0
+
+
+def test_between_samples_the_drift_is_counted_once():
+    """A step between two samples whose gradients shrank by 2^2: it loses what its sample lost
+    plus the two binades above the cut-off (1000 elements each), not also the interpolation of
+    the lost share towards the next sample's."""
+    import numpy as np
+    import pandas as pd
+
+    from ampdoctor.analysis.steps import StepSeries, attach_param_lost
+    from ampdoctor.formats import FLOAT16
+
+    bins, min_exp = 64, -56
+    hist = np.zeros(bins)
+    first = int(np.ceil(np.log2(FLOAT16.underflow_below))) - min_exp
+    hist[first:first + 8] = 1000.0
+    n = 3
+    series = StepSeries(steps=np.arange(n), scale=np.ones(n), recorded_scale=np.ones(n), skipped=np.zeros(n, bool),
+                        forced=np.zeros(n, bool), nonfinite=np.zeros(n, bool), amax=np.ones(n), l2=np.ones(n),
+                        loss=np.ones(n), loss_recorded=np.ones(n, bool), numel=np.full(n, 9010.0),
+                        n_zero=np.full(n, 1010.0), n_subnormal=np.zeros(n), hist=np.tile(hist, (n, 1)), ranks=1,
+                        fmt=FLOAT16, min_exp=min_exp, drift_log2=np.array([0.0, -2.0, 0.0]))
+    attach_param_lost(series, pd.DataFrame({"lost": [10.0, 4010.0], "n_zero": [1010.0, 5010.0],
+                                            "undecided": [0.0, 0.0]}, index=[0, 2]))
+    assert series.lost_at_recorded()[1] == pytest.approx(10 + 2 * 1000)

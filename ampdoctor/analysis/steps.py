@@ -140,18 +140,25 @@ def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
 def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
     """Use the per-parameter underflow estimates of the sampled steps (which tell structural zeros
     from underflowed ones tensor by tensor) instead of the all-gradients estimate: each step takes
-    the shares of its zeros that were lost, and that were undecided, interpolated between the
-    sampled steps around it (the nearest one before the first or after the last). A measured step's
-    shares are its measured ones (no undecided zeros)."""
+    the shares of its zeros that were lost, and that were undecided, of the sampled step before it
+    (the first one before any), whose histogram the drift of the gradient norm moves; without a
+    drift (a series built by hand), interpolated between the sampled steps around it. A measured
+    step's shares are its measured ones (no undecided zeros)."""
     if param_lost is None or param_lost.empty:
         return
     zeros = param_lost["n_zero"].where(param_lost["n_zero"] > 0)
     undecided = param_lost["undecided"] if "undecided" in param_lost else 0.0 * param_lost["lost"]
     shares = pd.DataFrame({"lost": (param_lost["lost"] / zeros).fillna(0.0),
                            "undecided": (undecided / zeros).fillna(0.0)})
-    # Between two sampled steps the shares move linearly (underflow drifts as gradients shrink).
+    # Between two sampled steps: with the drift of the gradient norm known (every step records
+    # it), a step keeps its sample's shares and the drift moves the sample's histogram
+    # (underflow_model); without it, the shares move linearly (interpolating as well would count
+    # the drift twice).
     steps = shares.index.union(pd.Index(series.steps))
-    shares = shares.reindex(steps).interpolate(method="index", limit_area="inside").ffill().bfill()
+    shares = shares.reindex(steps)
+    if series.drift_log2 is None:
+        shares = shares.interpolate(method="index", limit_area="inside")
+    shares = shares.ffill().bfill()
     shares = shares.reindex(series.steps).fillna(0.0)
     series.lost_fraction = shares["lost"].to_numpy(dtype=np.float64)
     series.undecided_fraction = shares["undecided"].to_numpy(dtype=np.float64)
