@@ -2,19 +2,25 @@
 user pays it at the default cadence, and of the tools people use today (transformers'
 DebugUnderflowOverflow, torch.autograd.detect_anomaly).
 
-What it measures. An ampdoctor step is one of three kinds (``ampdoctor/plan.py``): *steady* (light
-statistics), *sampled* (full statistics of the gradients; every ``every`` = 100 steps by default)
-and, at ``level="full"``, *module-sampled* (full statistics of the module taps too; every
-``module_every`` = 1000). Each kind is timed apart, several of each, and the **amortised** step is
+What it measures. An ampdoctor step is one of four kinds (``ampdoctor/plan.py``): *steady* (light
+statistics), *sampled* (full statistics of the gradients; every ``every`` = 100 steps by default),
+at ``level="full"`` *module-sampled* (full statistics of the module taps too; every
+``module_every`` = 1000), and *measured* (the underflow measured by a float32 shadow of the
+backward; every ``measure_every``, by default the module interval: at ``level="full"`` a user's
+module-sampled steps are all measured ones). Each kind is timed apart, several of each, and the
+**amortised** step is
 
-    amortised = steady + E_sampled * (1/every - 1/module_every) + E_module / module_every
+    amortised = steady + sum over kinds of E_kind * (the share of a user's steps of that kind)
 
 E_kind: the extra time of a step of that kind, plus that of the ``--after`` steps that follow it
-(work it leaves behind, on the writer thread for one), over as many steady steps. A module-sampled
-step is a sampled step too, hence 1/every - 1/module_every; below ``level="full"`` there are no
-module-sampled steps and amortised = steady + E_sampled / every. ``amortised_ratio`` is that over
-plain's mean step; ``steady_ratio``, ``sampled_ratio`` and ``module_sampled_ratio`` are single steps
-of each kind over plain's, ``paired_ratio`` the median per-round ratio of the steady steps.
+(work it leaves behind, on the writer thread for one), over as many steady steps. Each step counts
+once, as its most costly kind (measured, then module-sampled, then sampled): by default
+amortised = steady + E_sampled * (1/100 - 1/1000) + E_measured / 1000, where at ``level="full"``
+E_measured includes the module statistics. So that module-sampled steps without the measurement
+can still be timed, the benchmark's scalers measure every other one of a user's measured steps
+(``measure_every`` twice the default); the module-sampled figure is then reported, at weight 0. ``amortised_ratio`` is that over
+plain's mean step; ``steady_ratio``, ``sampled_ratio``, ``module_sampled_ratio`` and
+``measured_ratio`` are single steps of each kind over plain's, ``paired_ratio`` the median per-round ratio of the steady steps.
 
 How. Every variant trains its own copy of the same GPT-like model (same initial weights, same
 batches) in one process, one step each per round in a shuffled order (after warm-up), so that drift
@@ -82,8 +88,17 @@ OPTIONS = {"ampdoctor:steps": dict(level="steps"), "ampdoctor:params": dict(leve
 DEFAULT_EVERY, DEFAULT_MODULE_EVERY, ESCALATE_STEPS = 100, 1000, 20
 # state_dict's step number and run id (documented in ampdoctor.GradScaler.state_dict)
 STEP_KEY, RUN_KEY = "ampdoctor.step", "ampdoctor.run_id"
-KINDS = ("steady", "sampled", "module_sampled")
+KINDS = ("steady", "sampled", "module_sampled", "measured")
 EVENTS = KINDS[1:]
+
+
+def _measures() -> bool:
+    """Whether the imported ampdoctor measures underflow (``measure_every``): an older tree does not."""
+    try:
+        from ampdoctor.options import RecordOptions
+    except ImportError:
+        return False
+    return "measure_every" in getattr(RecordOptions, "__dataclass_fields__", {})
 
 
 # -- the model: a copy of ampdoctor.demo.TinyGPT, so that an older tree trains the same workload --
@@ -131,43 +146,74 @@ def build_model(size: str) -> GPT:
 # -- which steps are which ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Cadence:
-    """Which step numbers get full statistics (ampdoctor/plan.py, escalation aside)."""
+    """Which step numbers get full statistics (ampdoctor/plan.py, escalation aside), for the
+    user's cadence (``kind``, ``weights``) and for the timed one (``timed_kind``): the benchmark's
+    scalers measure underflow on every other measured step of the user's cadence
+    (``timing_measure_every``), so that at ``level="full"`` the module-sampled steps that are not
+    measured exist to be timed apart (by default a user's module-sampled steps are all measured)."""
 
     every: int
     module_every: int | None  # None: no module statistics (levels below full)
+    measure_every: int = 0    # the user's measured steps (0: none, or an older ampdoctor)
 
     @classmethod
     def of(cls, options: dict) -> Cadence:
         every = options.get("every") or DEFAULT_EVERY
         module_every = options.get("module_every") or options.get("every") or DEFAULT_MODULE_EVERY
-        return cls(every, module_every if options.get("level") == "full" else None)
+        measure = options.get("measure_every")
+        if measure is None:  # (RecordOptions.measure_interval: module_every or 1000, rounded up to a sampled step)
+            base = options.get("module_every") or DEFAULT_MODULE_EVERY
+            measure = -(-base // every) * every if _measures() else 0
+        return cls(every, module_every if options.get("level") == "full" else None, measure)
 
-    def kind(self, step: int) -> str:
+    @property
+    def timing_measure_every(self) -> int:
+        return 2 * self.measure_every
+
+    def _kind(self, step: int, measure: int) -> str:
+        if measure and step % measure == 0:
+            return "measured"
         if self.module_every and step % self.module_every == 0:
             return "module_sampled"
         return "sampled" if step % self.every == 0 else "steady"
 
+    def kind(self, step: int) -> str:
+        """What ``step`` is in a user's run."""
+        return self._kind(step, self.measure_every)
+
+    def timed_kind(self, step: int) -> str:
+        """What ``step`` is for the benchmark's scalers."""
+        return self._kind(step, self.timing_measure_every)
+
     def next_step(self, step: int, kind: str) -> int | None:
-        """The first step number >= ``step`` of ``kind``; None if this cadence has none."""
-        stride = {"steady": 1, "sampled": self.every, "module_sampled": self.module_every}[kind]
-        if stride is None:
+        """The first step number >= ``step`` of ``kind`` for the benchmark's scalers; None if
+        this cadence has none."""
+        stride = {"steady": 1, "sampled": self.every, "module_sampled": self.module_every,
+                  "measured": self.timing_measure_every}[kind]
+        if not stride:
             return None
         first = -(-step // stride) * stride
-        period = self.every * (self.module_every or 1)
-        return next((n for n in range(first, first + period + 1, stride) if self.kind(n) == kind), None)
+        period = math.lcm(self.every, self.module_every or 1, self.timing_measure_every or 1)
+        return next((n for n in range(first, first + period + 1, stride) if self.timed_kind(n) == kind), None)
 
     def available(self, kind: str) -> str:
         """``kind``, or what the cadence has instead: every=10 at full makes every sampled step a
-        module-sampled one, and a level below full has only sampled steps."""
+        module-sampled one, and a level below full has only sampled (and measured) steps."""
         while self.next_step(1, kind) is None:
             kind = KINDS[KINDS.index(kind) - 1]
         return kind
 
     def weights(self) -> dict[str, float]:
-        """The share of the steps of each event kind in a long run."""
-        if self.module_every is None:
-            return {"sampled": 1 / self.every, "module_sampled": 0.0}
-        return {"sampled": max(0.0, 1 / self.every - 1 / self.module_every), "module_sampled": 1 / self.module_every}
+        """The share of the steps of each event kind in a user's long run. A timed measured step
+        holds what a user's does (at ``level="full"`` also its module statistics: both cadences'
+        measured steps are module-sampled ones)."""
+        period = math.lcm(self.every, self.module_every or 1, self.measure_every or 1)
+        counts = {kind: 0 for kind in EVENTS}
+        for n in range(period):
+            kind = self.kind(n)
+            if kind != "steady":
+                counts[kind] += 1
+        return {kind: c / period for kind, c in counts.items()}
 
 
 @dataclass
@@ -209,8 +255,9 @@ def make_variants(names, size, device, workdir: Path, seed: int = 0) -> list[Var
         path, hook, cadence = None, None, None
         if name.startswith("ampdoctor"):
             path = workdir / f"{name.replace(':', '-')}.parquet"
-            scaler = ampdoctor.GradScaler(device, model=model, path=path, **OPTIONS[name])
             cadence = Cadence.of(OPTIONS[name])
+            timing = {"measure_every": cadence.timing_measure_every} if cadence.measure_every else {}
+            scaler = ampdoctor.GradScaler(device, model=model, path=path, **OPTIONS[name], **timing)
         else:
             scaler = torch.amp.GradScaler(device)
         if name == "hf-debug":
@@ -249,11 +296,12 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def schedule(steady: int, sampled: int, module: int, after: int, rng: random.Random) -> list[list[str]]:
+def schedule(steady: int, sampled: int, module: int, after: int, rng: random.Random,
+             measured: int = 0) -> list[list[str]]:
     """A block's measured rounds as units in a shuffled order: a steady round alone, or an event
     round with the ``after`` rounds that follow it (which a later unit never interrupts)."""
     units = [["steady"]] * steady + [["sampled"] + ["after"] * after] * sampled + \
-            [["module_sampled"] + ["after"] * after] * module
+            [["module_sampled"] + ["after"] * after] * module + [["measured"] + ["after"] * after] * measured
     rng.shuffle(units)
     return units
 
@@ -301,7 +349,8 @@ def measure(args) -> dict:
     round_no = 0
     for block in range(args.blocks):
         units = schedule(_share(args.steps, args.blocks, block), _share(args.sampled_steps, args.blocks, block),
-                         _share(args.module_steps, args.blocks, block), args.after, rng)
+                         _share(args.module_steps, args.blocks, block), args.after, rng,
+                         _share(args.measured_steps, args.blocks, block))
         # Fresh models, optimizers and scalers per block: where a variant's tensors land in memory
         # (cache sets, pages) shifts its step time by a percent or two for the life of the
         # allocation; new allocations per block average that out instead of fixing it per variant.
@@ -349,7 +398,7 @@ def measure(args) -> dict:
         row.update(counts.get(row["variant"], {}))
     layers, d, heads, context, batch, vocab = SIZES[args.size]
     params = sum(p.numel() for p in build_model(args.size).parameters())
-    return {"benchmark": "overhead", "method": "amortised (steady, sampled and module-sampled steps timed apart)",
+    return {"benchmark": "overhead", "method": "amortised (steady, sampled, module-sampled and measured steps timed apart)",
             "device": _device_name(device), "device_type": device,
             "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cuda": torch.version.cuda,
             "ampdoctor": ampdoctor.__version__, **package_provenance(), "ampdoctor_defaults": defaults,
@@ -357,7 +406,8 @@ def measure(args) -> dict:
             "size": args.size, "model": {"layers": layers, "d_model": d, "heads": heads, "context": context,
                                          "batch": batch, "vocab": vocab, "parameters": params},
             "warmup": args.warmup, "steps": args.steps, "sampled_steps": args.sampled_steps,
-            "module_steps": args.module_steps, "after": args.after, "blocks": args.blocks,
+            "module_steps": args.module_steps, "measured_steps": args.measured_steps, "after": args.after,
+            "blocks": args.blocks,
             "skipped_steps": skipped_steps, "excluded_rounds": len(excluded),
             "results": results, "skipped_variants": skipped_variants}
 
@@ -400,7 +450,8 @@ def summarize(names, samples: dict[str, Samples], excluded: set[int], after: int
             if amortised is not None:
                 amortised += weight * extra
         if cadence:
-            row.update({"every": cadence.every, "module_every": cadence.module_every})
+            row.update({"every": cadence.every, "module_every": cadence.module_every,
+                        "measure_every": cadence.measure_every})
         row["amortised_ms"] = None if amortised is None else 1e3 * amortised
         row["amortised_ratio"] = None if amortised is None else amortised / plain
         results.append(row)
@@ -408,7 +459,7 @@ def summarize(names, samples: dict[str, Samples], excluded: set[int], after: int
 
 
 # Per variant, after the timed blocks: steady steps, then one of each event kind with a steady step after it.
-COUNT_SEQUENCE = ["steady"] * 5 + ["sampled", "steady", "module_sampled", "steady"]
+COUNT_SEQUENCE = ["steady"] * 5 + ["sampled", "steady", "module_sampled", "steady", "measured", "steady"]
 
 
 def cuda_counts(names, args, dtype, workdir: Path) -> dict:
@@ -529,6 +580,9 @@ def main() -> None:
                         help="measured sampled steps (full statistics of the gradients), over all blocks")
     parser.add_argument("--module-steps", type=int, default=4,
                         help="measured module-sampled steps (level=full), over all blocks")
+    parser.add_argument("--measured-steps", type=int, default=None,
+                        help="measured steps (underflow measured by the float32 shadow of the backward), over all "
+                             "blocks; default: as --module-steps")
     parser.add_argument("--after", type=int, default=4,
                         help="steps after each sampled or module-sampled step counted into its cost (the writer "
                              "thread's work on its record slows them: the JSON's *_after_ms show it fade)")
@@ -541,14 +595,17 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.size = args.size or ("gpt2" if args.device == "cuda" else "small")
+    args.measured_steps = args.module_steps if args.measured_steps is None else args.measured_steps
     if unknown := set(args.variants or ()) - set(VARIANTS):
         parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
-    if args.steps < args.blocks or min(args.sampled_steps, args.module_steps, args.after) < 0 or args.warmup < 1:
+    if (args.steps < args.blocks or min(args.sampled_steps, args.module_steps, args.measured_steps, args.after) < 0
+            or args.warmup < 1):
         parser.error("--steps must be at least --blocks; --warmup at least 1; the others not negative")
     result = measure(args)
     print(f"{result['device']} ({result['dtype']}), {args.size}: {result['model']['parameters'] / 1e6:.1f} M "
           f"parameters, batch {result['model']['batch']}x{result['model']['context']}; {args.steps} steady rounds, "
-          f"{args.sampled_steps} sampled and {args.module_steps} module-sampled steps (each with {args.after} after), "
+          f"{args.sampled_steps} sampled, {args.module_steps} module-sampled and {args.measured_steps} measured steps "
+          f"(each with {args.after} after), "
           f"in {args.blocks} blocks of fresh variants, each after {args.warmup} of warm-up; "
           f"{result['excluded_rounds']} rounds left out after {result['skipped_steps']} skipped steps")
     print_table(result["results"])

@@ -171,17 +171,25 @@ def test_bandwidth_check_fails(stats, detail):
 
 
 def test_amortised_step():
-    """amortised = steady + E_sampled (1/every - 1/module_every) + E_module / module_every, E with the after-steps."""
+    """amortised = steady + E per kind x its share of a user's steps, E with the after-steps; each
+    step counted once, as its most costly kind (by default every module-sampled step is measured)."""
     rows = [(0, ("steady", 0), 1.0), (1, ("sampled", 0), 3.0), (2, ("sampled", 1), 1.5), (3, ("sampled", 2), 1.0),
             (4, ("module_sampled", 0), 11.0), (5, ("module_sampled", 1), 2.0), (6, ("module_sampled", 2), 1.0),
-            (7, ("steady", 0), 1.0), (8, ("steady", 0), 1.0)]
-    samples = {"plain": overhead.Samples([(r, ("steady", 0), 0.5) for r in range(9)]),
-               "ampdoctor:full": overhead.Samples(rows), "ampdoctor:params": overhead.Samples(rows[:4] + rows[7:])}
+            (7, ("steady", 0), 1.0), (8, ("steady", 0), 1.0),
+            (9, ("measured", 0), 21.0), (10, ("measured", 1), 2.0), (11, ("measured", 2), 1.0)]
+    samples = {"plain": overhead.Samples([(r, ("steady", 0), 0.5) for r in range(12)]),
+               "ampdoctor:full": overhead.Samples(rows),
+               "ampdoctor:params": overhead.Samples(rows[:4] + rows[7:])}
     full, params = overhead.summarize(["plain", "ampdoctor:full", "ampdoctor:params"], samples, set(), after=2)[1:]
     assert full["sampled_extra_ms"] == pytest.approx(2500) and full["module_sampled_extra_ms"] == pytest.approx(11000)
-    assert full["amortised_ratio"] == pytest.approx((1 + 2.5 * (1 / 100 - 1 / 1000) + 11 / 1000) / 0.5)
-    assert params["amortised_ratio"] == pytest.approx((1 + 2.5 / 100) / 0.5)
+    assert full["measured_extra_ms"] == pytest.approx(21000)
+    assert full["amortised_ratio"] == pytest.approx((1 + 2.5 * (1 / 100 - 1 / 1000) + 21 / 1000) / 0.5)
+    assert params["amortised_ratio"] == pytest.approx((1 + 2.5 * (1 / 100 - 1 / 1000) + 21 / 1000) / 0.5)
     assert full["steady_ratio"] == pytest.approx(2.0) and full["module_sampled_ratio"] == pytest.approx(22.0)
+    # Without its measured steps timed, an amortised figure is not given.
+    partial = overhead.summarize(["plain", "ampdoctor:full"], {**samples, "ampdoctor:full": overhead.Samples(rows[:9])},
+                                 set(), after=2)[1]
+    assert partial["amortised_ratio"] is None
     # A skipped step's rounds are left out of every variant, plain's included.
     left_out = overhead.summarize(["plain", "ampdoctor:full"], samples, {7, 8}, after=2)[1]
     assert left_out["steady_n"] == 1
@@ -190,23 +198,29 @@ def test_amortised_step():
 def test_cadences():
     full, params, every10 = (overhead.Cadence.of(overhead.OPTIONS[f"ampdoctor:{v}"]) for v in ("full", "params", "full-every10"))
     assert (full.every, full.module_every, params.module_every, every10.module_every) == (100, 1000, None, 10)
+    assert (full.measure_every, params.measure_every, every10.measure_every) == (1000, 1000, 1000)
     assert full.next_step(5, "sampled") == 100 and full.next_step(901, "sampled") == 1100
     assert full.next_step(5, "module_sampled") == 1000 and full.next_step(100, "steady") == 101
+    # The benchmark's scalers measure every other measured step of a user's (timing_measure_every).
+    assert full.next_step(5, "measured") == 2000 and params.next_step(5, "measured") == 2000
+    assert full.kind(1000) == "measured" and full.timed_kind(1000) == "module_sampled"
     assert params.available("module_sampled") == "sampled" and every10.available("sampled") == "steady"
-    units = overhead.schedule(3, 1, 1, 2, random.Random(0))
-    assert sorted(map(len, units)) == [1, 1, 1, 3, 3]
-    assert overhead.labels(units, None) == [("steady", 0)] * 9
+    assert full.weights() == pytest.approx({"sampled": 0.009, "module_sampled": 0.0, "measured": 0.001})
+    assert every10.weights() == pytest.approx({"sampled": 0.0, "module_sampled": 0.099, "measured": 0.001})
+    units = overhead.schedule(3, 1, 1, 2, random.Random(0), measured=1)
+    assert sorted(map(len, units)) == [1, 1, 1, 3, 3, 3]
+    assert overhead.labels(units, None) == [("steady", 0)] * 12
     assert [k for k, _ in overhead.labels(units, every10)].count("module_sampled") == 3  # 1 event + 2 after
 
 
 def test_overhead_times_the_step_kinds_the_scaler_records(tmp_path):
-    """Moving the step counter (state_dict / load_state_dict) makes exactly the planned steps sampled
-    and module-sampled: read back from the run."""
+    """Moving the step counter (state_dict / load_state_dict) makes exactly the planned steps sampled,
+    module-sampled and measured: read back from the run."""
     import ampdoctor
 
     (v,) = overhead.make_variants(["ampdoctor:full"], "tiny", "cpu", tmp_path)
-    data = list(overhead.batches("tiny", "cpu", 7))
-    plan = ["steady", "sampled", "steady", "module_sampled", "steady", "steady"]
+    data = list(overhead.batches("tiny", "cpu", 9))
+    plan = ["steady", "sampled", "steady", "module_sampled", "steady", "measured", "steady", "steady"]
     overhead.train_step(v, data[0], torch.bfloat16, "cpu")  # step 0: sampled and module-sampled
     steps = {}
     for kind, batch in zip(plan, data[1:]):
@@ -220,7 +234,9 @@ def test_overhead_times_the_step_kinds_the_scaler_records(tmp_path):
     hist = run[run["kind"] == "param_grad"].groupby("step")["hist"].apply(lambda h: h.notna().all())
     modules = set(run.loc[run["kind"] == "grad_output", "step"])
     assert {s for s in steps if hist[s]} == {s for s, k in steps.items() if k != "steady"}
-    assert modules == {0} | {s for s, k in steps.items() if k == "module_sampled"}
+    assert modules == {0} | {s for s, k in steps.items() if k in ("module_sampled", "measured")}
+    measured = set(run.loc[run["n_underflow"].notna(), "step"])
+    assert measured == {0} | {s for s, k in steps.items() if k == "measured"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")
