@@ -76,8 +76,8 @@ _Tensor = torch.Tensor
 
 
 class _Unmeasured:
-    """The shadow of a tensor computed from a collective's output, or from an op whose shadow
-    failed: not measured."""
+    """The shadow of a tensor that is not measured: computed by an op that is not shadowed (a
+    collective, a custom or random op, ...), from such a tensor, or by an op whose shadow failed."""
 
     def __repr__(self) -> str:
         return "UNMEASURED"
@@ -93,7 +93,7 @@ class ShadowBackward(TorchDispatchMode):
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.dtype = dtype                     # of the shadows (float32; bfloat16 has its range at a quarter of the cost)
+        self.dtype = dtype                     # of the shadows (an op that refuses it falls back to bfloat16)
         self._shadows = WeakIdKeyDictionary()  # real tensor -> float32 (or bfloat16) shadow, or UNMEASURED
         self._roots = WeakIdKeyDictionary()    # seeded losses and tensors computed from them (forward)
         self._local = threading.local()        # .paused: ampdoctor's own ops pass straight through
