@@ -128,3 +128,16 @@ def test_runs_without_module_types_show_the_names_as_they_are(tmp_path):
     assert "mlp.0.weight " in text and "(Linear)" not in text
     for bad in ("not json", "[1, 2]", '{"mlp.0": 3}'):
         assert module_types(SimpleNamespace(metadata={"model.module_types": bad})) == {}
+
+
+def test_every_format_marks_measured_rates(scenarios):
+    """The underflow scenario's step 0 is measured (its rates marked ``*``) in the terminal,
+    Markdown and HTML reports, each with the legend; a run measured nowhere shows no mark."""
+    from ampdoctor import render
+
+    data = scenarios["underflow"][2]
+    for fmt, mark in (("text", "100%*"), ("md", "100%\\*"), ("html", "100%*")):
+        out = render.report(data, fmt)
+        assert mark in out and "underflow: " in out and "measured on some steps" in out, fmt
+    unmeasured = {**data, "layers": [{**layer, "underflow_measured": None} for layer in data["layers"]]}
+    assert "measured on some steps" not in render.report(unmeasured, "text")

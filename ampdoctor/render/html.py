@@ -183,7 +183,8 @@ def _scale_section(scale: dict | None, missing: dict, chart: str) -> str:
 
 def _layer_rows(layers: Sequence[dict]) -> list[list[str]]:
     return [[str(i), _layer_name(layer), escaped(layer.get("kind", "")),
-             escaped(percent(layer.get("underflow_rate"))), escaped(percent(layer.get("zero_rate"))),
+             escaped(percent(layer.get("underflow_rate")) + sections.measured_mark(layer.get("underflow_measured"))),
+             escaped(percent(layer.get("zero_rate"))),
              escaped(percent(layer.get("subnormal_rate"))), escaped(binades(layer.get("headroom_log2"))),
              escaped(number(layer.get("amax"))), escaped(number(layer.get("amin"))),
              escaped(layer.get("observations", "—"))]
@@ -206,6 +207,8 @@ def _layers_section(layers: Sequence[dict], missing: dict, chart_html: dict[str,
         parts.append(_table(["#", "layer", "kind", "underflow", "zeros", "subnormal", "headroom (binades)",
                              "amax", "amin", "observations"], _layer_rows(shown),
                             num=(0, 3, 4, 5, 6, 7, 8, 9), name=(1,)))
+        if any(sections.measured_mark(layer.get("underflow_measured")) for layer in shown):
+            parts.append(f"<p>{escaped(sections.MEASURED_LEGEND.strip())}</p>")
     parts.append(_placeholder(sections.LAYERS, bool(layers), missing))
     return "\n".join(p for p in parts if p)
 

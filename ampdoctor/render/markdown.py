@@ -101,7 +101,7 @@ def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
     return ([empty] if empty else []) + _note(sections.missing_note(missing, section))
 
 
-MEASURED_NOTE = "\n" + sections.MEASURED_LEGEND.strip()
+MEASURED_NOTE = "\n" + sections.MEASURED_LEGEND.strip().replace("*", "\\*")
 
 
 def _layer_table(layers: Sequence[dict]) -> list[str]:
