@@ -45,7 +45,7 @@ from .run_identity import env_run_id, rank_and_world, shared_run_id
 from .run_metadata import RunMetadata
 from .stats import SlotLayouts, full_stats, light_stats, stats_to_host, tensor_peaks
 from .transfer import HostCopies
-from .underflow_probe import ShadowBackward
+from .underflow_probe import ShadowBackward, stack_counts
 from .writer import RunWriter
 
 MAX_TAP_ROWS_PER_STEP = 100_000  # beyond this (a long forward-only loop between steps) rows are dropped
@@ -136,7 +136,7 @@ class Recorder:
         self._parameters = ParameterIndex(
             {id(p): clean_name(n) for n, p in inner.named_parameters()} if inner is not None else {})
         if inner is not None:
-            if is_compiled(model):
+            if self._compiled:
                 if options.level == "full" or self._plan.measure_every:
                     self._warned_probe = True  # (said here: no second warning at the first measured step)
                     warnings.warn("ampdoctor: the model is compiled with torch.compile; module taps "
@@ -491,13 +491,15 @@ class Recorder:
         for group in record.groups:
             if group.measured is not None:
                 group.measured = copy(group.measured)
-        record.tap_measured = _stack_measured(record.taps, copy)
+        tap_measured = stack_counts([t.measured for t in record.taps])
+        record.tap_measured = copy(tap_measured) if tap_measured is not None else None
         self._end_probe()
         if self._probe is not None and self._probe.dropped:  # (out of memory: freed, and training went on)
             self._plan.measure_every = 0
             self._warn_probe(f"underflow is not measured from step {self.step} on: {self._probe.dropped}; "
                              "the shadows were freed")
-        self._probe = None if not self._probe_active else self._probe  # (its shadows go with it)
+        if not self._probe_active:
+            self._probe = None  # (its shadows go with it)
         if record.params is not None:
             record.params.peaks = copy(record.params.peaks)
         record.event = self._copies.seal()
@@ -612,17 +614,6 @@ def _paused(probe: ShadowBackward, observe):
         with probe.paused():
             observe(kind, call, order, tensor)
     return paused
-
-
-def _stack_measured(taps: list[TapObservation], copy) -> torch.Tensor | None:
-    """The measured underflow of each tap observation (-1: not measured) as one host copy, or
-    None when none was measured. No sync."""
-    found = [t.measured for t in taps]
-    first = next((m for m in found if m is not None), None)
-    if first is None:
-        return None
-    missing = torch.full((), -1, dtype=torch.int64, device=first.device)
-    return copy(torch.stack([m.to(first.device, non_blocking=True) if m is not None else missing for m in found]))
 
 
 def _when_dropped(recorder: "weakref.ref[Recorder]"):

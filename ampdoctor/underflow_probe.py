@@ -135,13 +135,8 @@ class ShadowBackward(TorchDispatchMode):
     def counts(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """int64 ``[len(tensors)]`` of :meth:`count` on one device, -1 where a tensor is not
         measured; None when none is. Runs paused. No sync."""
-        found = [self.count(t) for t in tensors]
-        if all(c is None for c in found):
-            return None
         with self.paused():
-            device = tensors[0].device
-            missing = torch.full((), -1, dtype=torch.int64, device=device)
-            return torch.stack([c.to(device, non_blocking=True) if c is not None else missing for c in found])
+            return stack_counts([self.count(t) for t in tensors])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -330,6 +325,16 @@ def _shadow_arg(a: Any, shadow: Any, dtype: torch.dtype) -> Any:
     if isinstance(a, torch.dtype) and _converts(a, dtype):
         return dtype
     return a
+
+
+def stack_counts(found: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """0-dim counts (None: not measured) as one int64 tensor on the first count's device, -1 for
+    None; None when none was measured. No sync."""
+    first = next((c for c in found if c is not None), None)
+    if first is None:
+        return None
+    missing = torch.full((), -1, dtype=torch.int64, device=first.device)
+    return torch.stack([c.to(first.device, non_blocking=True) if c is not None else missing for c in found])
 
 
 def _shadowable(func, flat: list) -> bool:

@@ -117,10 +117,9 @@ def test_rows_carry_order_call_parent_inputs(run_path):
     assert (step0.numel > 0).all() and step0["hist"].notna().all()
 
 
-def test_a_tensor_two_modules_return_is_reduced_once_with_the_same_rows(tmp_path, monkeypatch):
-    """A tensor seen twice in a row (DeepNet returns its head's output; a block returns its
-    last child's) gets one full_stats call, and every row is what it is when each tensor is
-    reduced anew."""
+def _module_rows_with_and_without_repeats(monkeypatch, record_run) -> list[tuple]:
+    """``record_run(reuse)`` (a recorded run's frame) with the repeat reused, then with every tensor
+    reduced anew: per run, its module rows in step, kind and order, and its full_stats calls."""
     from ampdoctor import light_taps, recorder
 
     frames, calls = [], []
@@ -130,11 +129,21 @@ def test_a_tensor_two_modules_return_is_reduced_once_with_the_same_rows(tmp_path
         if not reuse:
             monkeypatch.setattr(light_taps.Repeat, "of", lambda self, tensor, compute: compute(tensor))
         calls.clear()
-        torch.manual_seed(0)
-        frame = record(DeepNet(), tmp_path / f"{reuse}.parquet", batches(1))
-        frames.append((frame[frame.kind.isin(["output", "grad_output"])].sort_values(["kind", "order"])
+        frame = record_run(reuse)
+        frames.append((frame[frame.kind.isin(["output", "grad_output"])].sort_values(["step", "kind", "order"])
                        .reset_index(drop=True), calls.count("features")))
-    (reused, n_reused), (anew, n_anew) = frames
+    return frames
+
+
+def test_a_tensor_two_modules_return_is_reduced_once_with_the_same_rows(tmp_path, monkeypatch):
+    """A tensor seen twice in a row (DeepNet returns its head's output; a block returns its
+    last child's) gets one full_stats call, and every row is what it is when each tensor is
+    reduced anew."""
+    def record_run(reuse):
+        torch.manual_seed(0)
+        return record(DeepNet(), tmp_path / f"{reuse}.parquet", batches(1))
+
+    (reused, n_reused), (anew, n_anew) = _module_rows_with_and_without_repeats(monkeypatch, record_run)
     assert n_anew == len(anew) and n_reused <= n_anew - 2  # the model's output and its gradient at least
     stats = ["name", "numel", "amax", "amin", "n_zero", "n_nan", "n_inf", "l2"]
     assert reused[stats].equals(anew[stats])
@@ -150,7 +159,6 @@ def test_a_transformers_gpt2s_logits_are_reduced_once_with_the_same_rows(tmp_pat
     sampled step are those of each tensor reduced anew, with fewer full_stats calls."""
     pytest.importorskip("transformers")
     import architectures
-    from ampdoctor import light_taps, recorder
 
     arch = architectures.build("gpt2")
     seen = []
@@ -158,13 +166,7 @@ def test_a_transformers_gpt2s_logits_are_reduced_once_with_the_same_rows(tmp_pat
     assert arch.model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits is seen[0]
     handle.remove()
 
-    frames, calls = [], []
-    real = recorder.full_stats
-    monkeypatch.setattr(recorder, "full_stats", lambda tensors, **kw: calls.append(kw.get("lines")) or real(tensors, **kw))
-    for reuse in (True, False):
-        if not reuse:
-            monkeypatch.setattr(light_taps.Repeat, "of", lambda self, tensor, compute: compute(tensor))
-        calls.clear()
+    def record_run(reuse):
         arch = architectures.build("gpt2")
         path = tmp_path / f"{reuse}.parquet"
         opt = torch.optim.SGD(arch.model.parameters(), lr=0.01)
@@ -177,10 +179,9 @@ def test_a_transformers_gpt2s_logits_are_reduced_once_with_the_same_rows(tmp_pat
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
-        frame = ampdoctor.load(path)
-        frames.append((frame[frame.kind.isin(["output", "grad_output"])].sort_values(["step", "kind", "order"])
-                       .reset_index(drop=True), calls.count("features")))
-    (reused, n_reused), (anew, n_anew) = frames
+        return ampdoctor.load(path)
+
+    (reused, n_reused), (anew, n_anew) = _module_rows_with_and_without_repeats(monkeypatch, record_run)
     assert n_anew == len(anew) and n_reused <= n_anew - 2 * 2  # the logits, forward and backward, each step
     stats = ["step", "name", "numel", "amax", "amin", "n_zero", "n_nan", "n_inf", "l2"]
     assert reused[stats].equals(anew[stats])

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from ..formats import FloatFormat, float_format
 from ..hist_column import hist_matrix
 from ..run import Run, empty_table, kind_mask
-from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds
+from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
 HEATMAP_BUCKETS = 200  # step columns of the heatmap at most
@@ -207,10 +207,9 @@ class _Accumulator:
             # estimate is unknown (every element 0) counts only towards the upper bound.
             # A row that held a NaN or inf is not judged: its histogram lost the overflowed values.
             # Measured steps (underflow_probe.py): the count itself, estimate and bound alike.
-            measured = col["n_underflow"].astype(np.float64)
-            measured = full & ~output & ~nonfinite & ~np.isnan(measured)
-            estimate = np.where(measured, col["n_underflow"].astype(np.float64), estimate)
-            upper = np.where(measured, estimate, upper)
+            n_underflow = col["n_underflow"].astype(np.float64)
+            measured = full & ~output & ~nonfinite & ~np.isnan(n_underflow)
+            estimate, upper = with_measured(estimate, upper, n_underflow, measured)
             judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
             lost = np.where(judged, estimate, 0.0)
             upper = np.where(full & ~output & ~nonfinite, upper, 0.0)

@@ -17,7 +17,7 @@ from .contract_fields import underflow_fields
 from .replay import Outcome, actual_outcome, replay
 from .run_analysis import Analysis, analyse
 from .scaler_config import with_defaults
-from .underflow import UnderflowModel, underflow_bounds
+from .underflow import UnderflowModel, underflow_bounds, with_measured
 
 LAYER_COLUMNS = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "n_nan", "n_inf", "hist",
                  "n_zero_lines", "n_underflow"]
@@ -62,9 +62,7 @@ def _predicted_layers(a: Analysis, outcome: Outcome) -> list[dict]:
                                            frame["n_subnormal"].to_numpy(dtype=np.float64), cut, a.series.min_exp,
                                            frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan))
         # A measured step's count is the loss at its recorded scale (underflow_probe.py).
-        measured = frame["n_underflow"].to_numpy(dtype=np.float64, na_value=np.nan)
-        estimate = np.where(np.isnan(measured), estimate, measured)
-        upper = np.where(np.isnan(measured), upper, measured)
+        estimate, upper = with_measured(estimate, upper, frame["n_underflow"].to_numpy(dtype=np.float64, na_value=np.nan))
         model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), np.nan_to_num(estimate, nan=0.0), a.series.min_exp)
         log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
         lost = model.lost(np.log2(a.target.underflow_below) - log2s)

@@ -120,7 +120,7 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     drift = np.where(np.isfinite(drift), drift, 0.0)  # a non-finite or zero norm: no drift to read
     return StepSeries(
         steps=agg.index.to_numpy(dtype=np.int64), scale=scale, recorded_scale=f64("scale"), skipped=agg["skipped"].to_numpy(bool),
-        forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=f64("l2"),
+        forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=l2,
         loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=numel,
         n_zero=n_zero[source] * ratio, n_subnormal=n_subnormal[source] * ratio, hist=merged_hist[source] * ratio[:, None],
         ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source],

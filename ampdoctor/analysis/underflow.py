@@ -169,6 +169,14 @@ def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: in
     return np.where(rel <= 0, 0.0, below)
 
 
+def with_measured(estimate: np.ndarray, upper: np.ndarray, measured: np.ndarray,
+                  where: np.ndarray | bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(estimate, upper bound) with each row's measured count (``n_underflow``, NaN where not
+    measured; ``where``: the rows it may stand for) in place of both: a measurement settles it."""
+    use = where & ~np.isnan(measured)
+    return np.where(use, measured, estimate), np.where(use, measured, upper)
+
+
 class UnderflowModel:
     """Per-observation estimate of the elements lost to underflow at any cut-off.
 
