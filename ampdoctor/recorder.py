@@ -307,6 +307,9 @@ class Recorder:
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
         if _get_current_dispatch_mode() is not self._probe:
+            if self._probe.dropped:  # (passes everything through: the next recorder's scale() leaves it)
+                self._probe_active = False
+                return
             self._warn_probe(f"underflow is not measured in step {self.step}: another TorchDispatchMode was "
                              "entered during its backward and is still active")
             return
