@@ -306,8 +306,10 @@ def _backward(model: nn.Module, arch: Arch, step: int, loss_factor: float, scale
             handles.append(module.register_forward_hook(_capture_output_grads(captured.setdefault(name or "(model)", []))))
     model.zero_grad(set_to_none=True)
     try:
-        with _same_dropout(step), torch.autocast("cpu", dtype=torch.float16, enabled=scale is not None):
-            loss = arch.loss(model, step) * loss_factor
+        with _same_dropout(step):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scale is not None):
+                loss = arch.loss(model, step) * loss_factor
+            # Outside autocast, as training runs it: autocast would recast the backward's ops too.
             (loss.float() * scale if scale is not None else loss).backward()
     finally:
         for handle in handles:

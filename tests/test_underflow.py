@@ -102,7 +102,7 @@ def test_structural_zeros_are_not_underflow(tmp_path):
 def test_a_drifting_run_s_range_holds_the_measured_underflow(tmp_path):
     """Gradients that shrink by 2^4 between samples (the loss falls geometrically, the scale is
     fixed): the steps between samples lose more below the cut-off than their sample did. The run's
-    range, from samples every 50 steps with no step measured, holds the underflow a run measured at
+    range, from samples every 40 steps with no step measured, holds the underflow a run measured at
     every step finds (float32 shadow, checked against fp32 references in test_underflow_probe.py).
     Without the drift of the gradient norm the range missed it: ..0.79% against 1.58%."""
     import architectures as A
