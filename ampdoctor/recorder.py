@@ -187,16 +187,18 @@ class Recorder:
                           f"run will say how many; training continues unaffected", RuntimeWarning, stacklevel=5)
 
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> None:
-        """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies)
-        and for the writer thread (at most ``timeout`` seconds each when given): host-side waits
-        only, after training. ``at_exit``: the interpreter is exiting; the final parameter check
-        runs only if this is still its scaler's recorder (an abandoned scaler's run must not
-        describe parameters that another scaler went on training)."""
+        """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies:
+        the device's queued work) and then for the writer thread, at most
+        :data:`~ampdoctor.writer.CLOSE_TIMEOUT` (5 s); with ``timeout``, at most that in all:
+        host-side waits only, after training. ``at_exit``: the interpreter
+        is exiting; the final parameter check runs only if this is still its scaler's recorder
+        (an abandoned scaler's run must not describe parameters that another scaler went on
+        training), and the writer counts what it cannot write in time (writer.py)."""
         self._anomalies.closing = True  # the close writes everything: anomalies found now need no sync of their own
         self._end_probe()  # (a run closed, or stopped, between scale() and unscale_: leave the shadow backward)
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.active:
             try:
-                deadline = None if timeout is None else time.monotonic() + timeout
                 self._anomalies.check(self.step, wait=True, deadline=deadline)
                 scaler = self._scaler_ref()
                 if not at_exit or (scaler is not None and getattr(scaler, "recorder", None) is self):
@@ -206,7 +208,8 @@ class Recorder:
         self._remove_hooks()
         self.active = False
         shutdown.closed(self)
-        finished = self.writer.close(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())  # (None: CLOSE_TIMEOUT)
+        finished = self.writer.close(left, at_exit=at_exit)
         if self.writer.error is not None and not self._reported:
             self.fail(self.writer.error)
         elif not finished and not self._reported:

@@ -3,7 +3,8 @@ one run id chosen, superseded rows marked, the rows read on demand (docs/archite
 "Reading a run"). Each segment's footer is read and checked in :mod:`ampdoctor.segment`.
 
 Every way a path can fail to be a run raises :class:`RunError` with a one-line message. A
-truncated or half-written segment is skipped with a warning and the rest is still read.
+truncated or half-written segment, or one this process cannot open or read (permission denied, an
+I/O error, removed since the listing), is skipped with a warning and the rest is still read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
 from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
                      META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
                      META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION, meta_number)
-from .segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, is_finished_segment, read_segment
+from .segment import (COLUMN_TYPES, BadSegment, ForeignParquet, Segment, is_finished_segment, read_failure,
+                      read_segment)
 
 
 @dataclass
@@ -154,14 +156,15 @@ class Run:
 
     def _unreadable(self, segment: Segment, exc: BaseException) -> None:
         """A segment whose data pages failed to read (its footer was fine): skipped, with a
-        warning that says whether the file is damaged or the installed pyarrow too old for it."""
+        warning that says whether the file is damaged, could not be read (permission denied, an
+        I/O error, removed since its footer was read) or the installed pyarrow is too old for it."""
         self._bad_segments.add(segment.path)
         too_old = pyarrow_too_old_for(exc)
         if too_old is not None:
             self._too_old = self._too_old or too_old
             self._warn_once(f"skipped segment {segment.path.name}: {too_old}")
         else:
-            self._warn_once(f"skipped unreadable segment {segment.path.name} ({exc})")
+            self._warn_once(f"skipped unreadable segment {segment.path.name} ({read_failure(exc)})")
 
     def _check_readable(self) -> None:
         """Every segment failed to read: this is no readable run (a partial one is reported)."""
@@ -170,7 +173,8 @@ class Run:
             return
         if self._too_old:  # the files are fine: name the fix, not damage
             raise RunError(one_line(f"{self.path}: {self._too_old}"))
-        raise RunError(one_line(f"{self.path}: no readable segments (the data of every segment is damaged: "
+        # Damage, or files made unreadable or removed since their footers were read: the warnings say which.
+        raise RunError(one_line(f"{self.path}: no readable segments (the data of no segment could be read: "
                                 f"{'; '.join(self.warnings[-3:])})"))
 
     def _warn_once(self, message: str) -> None:
@@ -247,7 +251,8 @@ def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Se
         if foreign:
             raise RunError(f"{root}: Parquet written by another tool, not an ampdoctor run "
                            f"(no {META_SCHEMA_VERSION} metadata)")
-        raise RunError(one_line(f"{root}: no readable segments ({'; '.join(problems)})"))
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""  # one line, however many segments
+        raise RunError(one_line(f"{root}: no readable segments ({'; '.join(problems[:3])}{more})"))
     problems.extend(f"{message} (in {n} segment(s))" for message, n in ignored_counts.items())
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
     segments, choice = _one_run(root, segments, run_id)
@@ -261,7 +266,7 @@ def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[l
         groups.setdefault(seg.metadata.get(META_RUN_ID, ""), []).append(seg)
 
     def latest(rid: str) -> tuple[float, float]:
-        return max(_started(s) for s in groups[rid]), max(s.path.stat().st_mtime for s in groups[rid])
+        return max(_started(s) for s in groups[rid]), max(s.mtime for s in groups[rid])
 
     def started(rid: str) -> str:
         return max((s.metadata.get(META_RUN_STARTED, "") for s in groups[rid]), key=lambda t: t or "") or "?"
@@ -306,7 +311,7 @@ def _started(seg: Segment) -> float:
     try:
         return datetime.strptime(seg.metadata.get(META_RUN_STARTED, ""), "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except ValueError:
-        return seg.path.stat().st_mtime
+        return seg.mtime
 
 
 def _supersede(segments: list[Segment]) -> list[str]:
@@ -322,7 +327,7 @@ def _supersede(segments: list[Segment]) -> list[str]:
     for key, segs in writers.items():
         known = [s.steps for s in segs if s.steps is not None]
         if known:
-            first = (min(_started(s) for s in segs), min(s.path.stat().st_mtime for s in segs))
+            first = (min(_started(s) for s in segs), min(s.mtime for s in segs))
             spans[key] = (min(lo for lo, _ in known), max(hi for _, hi in known), first)
     warnings = []
     for rank in sorted({rank for rank, _ in spans}):

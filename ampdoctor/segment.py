@@ -3,12 +3,15 @@ version, the column types, the metadata values and the step span are read and ch
 pages are not read (docs/run-file.md, "Versioning and tolerance").
 
 A problem with the path given as the run itself is a :class:`RunError`; a damaged segment in a
-directory is a :class:`BadSegment` for the caller to skip, and another tool's Parquet file a
+directory, or one this process cannot open (permission denied, an I/O error, a file removed since
+the listing), is a :class:`BadSegment` for the caller to skip, and another tool's Parquet file a
 :class:`ForeignParquet` for it to ignore."""
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,6 +41,7 @@ class Segment:
     steps: tuple[int, int] | None = None  # first and last step, from the footer's statistics
     until: int | None = None  # rows from this step on were superseded by a later process (read_run)
     unreadable: str | None = None  # why the installed pyarrow cannot read its histograms (read_run skips it)
+    mtime: float = 0.0  # the file's modification time when its footer was read: no later stat can fail
 
     @property
     def hist_bins(self) -> int:
@@ -51,11 +55,16 @@ def is_finished_segment(path: Path) -> bool:
     """Whether a directory entry is a closed segment: ``*.parquet``, not hidden (a segment being
     written is ``.NAME.tmp``; names beginning with ``_`` are other tools', as pyarrow's discovery
     skips them)."""
-    return path.suffix == ".parquet" and not path.name.startswith((".", "_")) and path.is_file()
+    if path.suffix != ".parquet" or path.name.startswith((".", "_")):
+        return False
+    try:
+        return path.is_file()
+    except OSError:  # cannot even stat it (EACCES, EIO): kept, so that reading it skips it, saying why
+        return True
 
 
 class BadSegment(Exception):
-    """A damaged segment in a run directory: skipped, the rest of the run read."""
+    """A damaged or unopenable segment in a run directory: skipped, the rest of the run read."""
 
 
 class ForeignParquet(Exception):
@@ -68,8 +77,19 @@ def read_segment(path: Path, *, single: bool) -> tuple[Segment, list[str]]:
     file is a :class:`RunError` rather than a :class:`BadSegment`."""
     footer = _read_footer(path, single=single)
     meta, ignored = _checked_metadata(footer.metadata, footer.bins)
-    return Segment(path, footer.rows, path.stat().st_size, meta, footer.steps,
-                   unreadable=unreadable_here(footer.hist_type, footer.hist_nulls)), ignored
+    return Segment(path, footer.rows, footer.size, meta, footer.steps,
+                   unreadable=unreadable_here(footer.hist_type, footer.hist_nulls), mtime=footer.mtime), ignored
+
+
+def read_failure(exc: BaseException) -> str:
+    """Why reading a file failed, in words: ``cannot read: <the OS's reason>`` for an error of the
+    OS (pyarrow's ``FileNotFoundError`` carries only the path, its other OS errors the whole call
+    around the reason), else the message (damage)."""
+    if isinstance(exc, OSError):
+        code = exc.errno or {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES}.get(type(exc))
+        if code:
+            return f"cannot read: {os.strerror(code)}"
+    return str(exc)
 
 
 @dataclass
@@ -80,6 +100,8 @@ class _Footer:
     bins: int | None                # counts per histogram, from the column itself (None: the metadata says)
     hist_type: pa.DataType | None
     hist_nulls: int | None          # null histograms by the statistics (None: unknown)
+    size: int
+    mtime: float
 
 
 def _read_footer(path: Path, *, single: bool) -> _Footer:
@@ -87,11 +109,14 @@ def _read_footer(path: Path, *, single: bool) -> _Footer:
     footer; the data pages are not read."""
     try:
         with open(path, "rb") as fh:
+            stat = os.fstat(fh.fileno())  # the file opened, not the path: it may be replaced or removed meanwhile
             head = fh.read(4)
-            fh.seek(max(0, path.stat().st_size - 4))
+            fh.seek(max(0, stat.st_size - 4))
             tail = fh.read(4)
     except OSError as exc:
-        raise RunError(f"{path}: cannot read ({exc.strerror})") from None
+        if single:
+            raise RunError(f"{path}: {read_failure(exc)}") from None
+        raise BadSegment(read_failure(exc)) from None
     if head != MAGIC:
         if single:
             raise RunError(f"{path}: not a Parquet file")
@@ -105,8 +130,8 @@ def _read_footer(path: Path, *, single: bool) -> _Footer:
         schema = footer.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as exc:
         if single:
-            raise RunError(f"{path}: unreadable Parquet file ({exc})") from None
-        raise BadSegment(str(exc)) from None
+            raise RunError(f"{path}: unreadable Parquet file ({read_failure(exc)})") from None
+        raise BadSegment(read_failure(exc)) from None
     meta = schema.metadata or {}
     if META_SCHEMA_VERSION.encode() in meta:
         wrong = _schema_problem(schema)
@@ -130,7 +155,7 @@ def _read_footer(path: Path, *, single: bool) -> _Footer:
     # Version 1's fixed-size lists carry their size in the type; version 2's, its statistics.
     bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else _list_size(leaf)
     nulls = None if leaf is None or any(s is None for _, s in leaf) else sum(s.null_count for _, s in leaf)
-    return _Footer(footer.num_rows, text, _step_span(footer, schema), bins, hist, nulls)
+    return _Footer(footer.num_rows, text, _step_span(footer, schema), bins, hist, nulls, stat.st_size, stat.st_mtime)
 
 
 def _schema_problem(schema: pa.Schema) -> str | None:

@@ -1,9 +1,13 @@
 """Finishing runs when the process ends: at interpreter exit, and on SIGTERM.
 
 One exit handler closes the open recorders first (each finishes its run as ``close()`` would,
-final parameter check included), then every writer still open (one whose recorder is gone);
-every wait is bounded by :data:`EXIT_TIMEOUT`. The SIGTERM handler takes no lock (the
-interrupted frame may hold any of them) and then lets the previous handler, or the default, act.
+final parameter check included), then every writer still open (one whose recorder is gone),
+all within :data:`EXIT_TIMEOUT` seconds in all, whatever the disk does. The SIGTERM handler takes
+no lock (the interrupted frame may hold any of them), closes every writer within the same bound,
+and then lets the previous handler, or the default, act. SIGINT is Python's KeyboardInterrupt:
+the interpreter's exit, so the exit handler's bound. A writer that has not finished by then is
+left behind (a daemon thread): the run keeps its closed segments and says it did not end cleanly,
+or, when the writer only had records left to turn into rows, how many steps it lacks.
 """
 
 from __future__ import annotations
@@ -12,16 +16,17 @@ import atexit
 import os
 import signal
 import threading
+import time
 import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from .writer import close_all_writers
+from .writer import EXIT_SECONDS, close_all_writers
 
 if TYPE_CHECKING:
     from .recorder import Recorder
 
-EXIT_TIMEOUT = 30.0  # seconds each wait at exit may take: a hung disk must not hang the exit
+EXIT_TIMEOUT = EXIT_SECONDS  # seconds the exit may take in all: a hung disk must not hang the exit
 
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 _sigterm_installed = False
@@ -42,13 +47,14 @@ def _at_exit() -> None:
     """At interpreter exit (training is over, also after an exception): finish every open run,
     recorders first, then writers left without one. Never raises: one run's failure (even with
     ``strict=True``) must not keep the others from closing."""
+    deadline = time.monotonic() + EXIT_TIMEOUT
     for recorder in list(_open_recorders):
         try:
-            recorder.close(EXIT_TIMEOUT, at_exit=True)
+            recorder.close(max(0.0, deadline - time.monotonic()), at_exit=True)
         except BaseException as exc:  # noqa: BLE001
             warnings.warn(f"ampdoctor: closing {recorder.path} at exit failed ({type(exc).__name__}: {exc})",
                           RuntimeWarning)
-    close_all_writers(timeout=EXIT_TIMEOUT)
+    close_all_writers(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _install_sigterm_handler() -> None:

@@ -13,15 +13,28 @@ A failure in the worker (disk full, permission denied, a bug of ours) is kept an
 stops: later records are dropped. ``error`` hands the exception back to the training thread,
 which warns once, or raises it when the user asked for ``strict=True``.
 
-**Training never waits on the writer beyond these bounds:**
+**The hand-off takes no lock.** The queue is a ``collections.deque`` (``append`` and ``popleft``
+are single C calls, atomic under the GIL) with a bound checked before each ``append``, and the
+worker is woken by a byte down a non-blocking socket pair (:class:`_Doorbell`), not a
+``threading.Event`` (whose condition lock a signal could interrupt a thread holding). So a signal
+handler that waits for the worker (SIGTERM's) can never wait for a lock that the frame it
+interrupted holds: ``queue.Queue`` did that once (the handler joined a worker that needed the
+queue's mutex, held by the interrupted ``put``: the process hung for the whole timeout).
+
+**Training, and every exit, waits on the writer at most** :data:`EXIT_SECONDS` **(5 s):**
 
 * ``put`` never blocks: when the queue is full (a slow or stalled disk) the record is dropped and
   counted in ``dropped``;
 * ``sync`` (after an anomaly) waits at most :data:`SYNC_TIMEOUT` seconds, and not at all while
   an earlier sync is still pending (the writer is behind);
 * ``close`` waits at most :data:`CLOSE_TIMEOUT` seconds (or its ``timeout``), also when the
-  queue is full; the signal path (:func:`close_all_writers` with ``from_signal``) takes no lock
-  and no queue operation, since the interrupted code may hold them;
+  queue is full or the disk hangs; the signal path (:func:`close_all_writers` with
+  ``from_signal``) takes no lock and makes no queue operation but a ``deque`` attribute read;
+* at exit (interpreter exit, SIGTERM) the worker is told the deadline: past 60% of it, it stops
+  turning records into rows, counts those left as not written (``record.dropped_steps`` of its
+  final segment, which readers report), and writes what it holds; a worker stuck in a write
+  (a stalled disk) is left behind, and the run has no final segment (readers say it did not end
+  cleanly);
 * a worker thread that died (not through a failure it caught) is noticed at the next ``put``,
   ``sync`` or ``failed`` and reported as the error.
 """
@@ -29,11 +42,13 @@ which warns once, or raises it when the user asked for ``strict=True``.
 from __future__ import annotations
 
 import os
-import queue
+import select
+import socket
 import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -43,20 +58,71 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .hist_column import hist_array
-from .schema import (META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
+from .schema import (META_DROPPED_STEPS, META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
 
 _CLOSE = object()   # shutdown sentinel
-SYNC_TIMEOUT = 30.0   # seconds an anomaly's sync may wait for the writer (once per stall)
-CLOSE_TIMEOUT = 30.0  # seconds close() may wait for the writer
+EXIT_SECONDS = 5.0    # the one bound: each wait for the writer, and each exit path in all
+SYNC_TIMEOUT = EXIT_SECONDS   # seconds an anomaly's sync may wait for the writer (once per stall)
+CLOSE_TIMEOUT = EXIT_SECONDS  # seconds close() may wait for the writer
+FLUSH_TIMEOUT = EXIT_SECONDS  # seconds a signal handler that lets the program go on waits for the flush
 POLL_SECONDS = 0.05   # how often the worker looks for records (unless woken), a close or a flush
-FLUSH_TIMEOUT = 5.0   # seconds a signal handler that lets the program go on waits for the flush
+_WAIT_STEP = 0.002    # how often a waiting caller looks at a marker (a flag: no lock to wait on)
+_GIVE_UP_SHARE = 0.6  # at exit: the share of the deadline spent turning records into rows
 
 
-class _Sync:
-    """A marker: write what is pending, then set ``done``."""
+class _Marker:
+    """A request the worker answers by setting ``done`` (a plain attribute: whoever waits polls it,
+    so no lock is shared with a thread a signal may have interrupted)."""
 
-    def __init__(self, done: threading.Event) -> None:
-        self.done = done
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self, timeout: float, worker: threading.Thread) -> bool:
+        """Until done, ``timeout`` seconds, or ``worker`` has ended (it will never answer)."""
+        deadline = time.monotonic() + timeout
+        while not self.done and time.monotonic() < deadline and worker.is_alive():
+            time.sleep(_WAIT_STEP)
+        return self.done
+
+
+class _Sync(_Marker):
+    """A marker in the queue: write what is pending, then set ``done``."""
+
+
+class _Doorbell:
+    """Wakes the worker before its next poll, without a lock: a byte down a non-blocking socket
+    pair. Ringing never blocks (a full buffer means it rang already) and never raises; the
+    sockets close when the writer is collected, never while a thread may still ring them."""
+
+    def __init__(self) -> None:
+        try:
+            self._receiver, self._sender = socket.socketpair()
+            self._receiver.setblocking(False)
+            self._sender.setblocking(False)
+        except OSError:  # no sockets here: the worker only polls
+            self._receiver = self._sender = None
+
+    def ring(self) -> None:
+        if self._sender is not None:
+            try:
+                self._sender.send(b"\0")
+            except OSError:
+                pass
+
+    def wait(self, timeout: float) -> None:
+        """Until rung or ``timeout`` seconds (worker side)."""
+        if self._receiver is None:
+            time.sleep(timeout)
+            return
+        try:
+            if select.select([self._receiver], [], [], timeout)[0]:
+                self._receiver.recv(4096)
+        except (OSError, ValueError):
+            time.sleep(timeout)
+
+
 _FLUSH = object()   # "write what you have now" (the flush_seconds timer)
 
 _open_writers: set["RunWriter"] = set()
@@ -127,8 +193,9 @@ class RunWriter:
         self._hist_bins = hist_bins
         self._flush_every = flush_every
         self._flush_seconds = flush_seconds
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._wake = threading.Event()  # set when the worker must not wait for its next poll
+        self._queue: deque = deque()  # bounded by put(): no lock (module docstring)
+        self._queue_size = queue_size
+        self._wake = _Doorbell()  # rung when the worker must not wait for its next poll
         self._wake_at = max(1, queue_size // 2)
         self._pending = Columns()
         self._segment = 0
@@ -137,8 +204,10 @@ class RunWriter:
         self._closed = False
         self._closing = False      # set without a lock (the signal path); the worker finishes then
         self._finished = False     # the worker returned normally
-        self._sync: threading.Event | None = None  # the last sync's, while pending
-        self._flush_request: threading.Event | None = None  # set by the worker once flushed (signal path)
+        self._sync: _Sync | None = None  # the last sync's, while pending
+        self._flush_request: _Marker | None = None  # done once flushed (signal path)
+        self._give_up_at: float | None = None  # at exit: past this, records left are counted, not written
+        self.unwritten = 0         # records counted at exit instead of written
         self._flush_countdown: int | None = None  # records to take before serving it
         self._pid = os.getpid()    # a forked child inherits this object, not its thread
         self._close_lock = threading.Lock()
@@ -165,7 +234,9 @@ class RunWriter:
         return self._closing  # set by close() and by the signal path
 
     def _check_alive(self) -> None:
-        if self._error is None and not self._finished and not self._thread.is_alive():
+        # (_finished is set before the thread ends: read after is_alive(), a worker finishing
+        # between the two reads, as when a signal handler closes it, is not taken for dead)
+        if self._error is None and not self._thread.is_alive() and not self._finished:
             self._error = RuntimeError("the writer thread died")
 
     def put(self, record: Any) -> bool:
@@ -173,13 +244,13 @@ class RunWriter:
         the queue is full (then it is counted in ``dropped``)."""
         if self.closed or self.failed:
             return False
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
+        queued = len(self._queue)
+        if queued >= self._queue_size:  # (one producer in practice; two may overshoot by one)
             self.dropped += 1
             return False
-        if self._queue.qsize() >= self._wake_at:  # fast steps: drain before the queue fills
-            self._wake.set()
+        self._queue.append(record)
+        if queued + 1 >= self._wake_at:  # fast steps: drain before the queue fills
+            self._wake.ring()
         return True
 
     def sync(self, timeout: float | None = None) -> bool:
@@ -188,31 +259,31 @@ class RunWriter:
         (:data:`SYNC_TIMEOUT`) seconds; not at all while an earlier sync is pending or the queue
         is full (the writer is behind). False when it did not complete. No device sync: the
         records' events have completed."""
-        if self.closed or self.failed or (self._sync is not None and not self._sync.is_set()):
+        if self.closed or self.failed or (self._sync is not None and not self._sync.done):
             return False
-        done = threading.Event()
-        try:
-            self._queue.put_nowait(_Sync(done))
-        except queue.Full:
+        if len(self._queue) >= self._queue_size:
             return False
-        self._wake.set()
-        self._sync = done
-        return done.wait(SYNC_TIMEOUT if timeout is None else timeout)
+        self._sync = marker = _Sync()
+        self._queue.append(marker)
+        self._wake.ring()
+        return marker.wait(SYNC_TIMEOUT if timeout is None else timeout, self._thread)
 
-    def close(self, timeout: float | None = None) -> bool:
+    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
         """Write the last segment and stop the worker. Idempotent. Waits at most ``timeout``
-        (:data:`CLOSE_TIMEOUT`) seconds; False if the worker did not finish in time (a stalled
-        disk: what it still held is lost)."""
+        (:data:`CLOSE_TIMEOUT`) seconds; False if the worker did not finish in time (it goes on
+        in the background while the process lives). ``at_exit``: the process is ending, so the
+        worker stops turning records into rows past 60% of ``timeout``, counts those left and
+        writes what it holds (a stalled disk: the last segment is lost)."""
+        timeout = CLOSE_TIMEOUT if timeout is None else timeout
+        if at_exit:
+            self._give_up(timeout)
         with self._close_lock:
             first, self._closed = not self._closed, True
         if first:
             self._closing = True
-            try:
-                self._queue.put_nowait(_CLOSE)  # when full, the worker sees _closing once drained
-            except queue.Full:
-                pass
-            self._wake.set()
-        self._thread.join(CLOSE_TIMEOUT if timeout is None else timeout)
+            self._queue.append(_CLOSE)  # (past the bound: the sentinel is never dropped)
+            self._wake.ring()
+        self._thread.join(timeout)
         finished = not self._thread.is_alive()
         if finished:  # one still writing stays registered: the exit handler gives it its time
             with _open_lock:
@@ -223,10 +294,16 @@ class RunWriter:
         """Whether a worker thread of this process can answer a signal handler's request."""
         return os.getpid() == self._pid and self._thread.is_alive()
 
+    def _give_up(self, timeout: float) -> None:
+        at = time.monotonic() + _GIVE_UP_SHARE * timeout
+        self._give_up_at = at if self._give_up_at is None else min(self._give_up_at, at)
+
     def close_from_signal(self, timeout: float) -> None:
-        """``close`` for a signal handler: no lock, no queue operation (the interrupted frame may
-        hold the queue's lock); the worker drains the queue and writes the last segment."""
+        """``close`` at exit for a signal handler: no lock, no queue operation (the interrupted
+        frame may be anywhere); the worker drains the queue and writes the last segment."""
+        self._give_up(timeout)
         self._closing = True
+        self._wake.ring()
         if self._answers():
             self._thread.join(timeout)
 
@@ -236,9 +313,9 @@ class RunWriter:
         operation, as ``close_from_signal``."""
         if not self._answers():
             return
-        done = threading.Event()
-        self._flush_request = done
-        done.wait(min(timeout, FLUSH_TIMEOUT))
+        self._flush_request = request = _Marker()
+        self._wake.ring()
+        request.wait(min(timeout, FLUSH_TIMEOUT), self._thread)
 
     # -- worker side ----------------------------------------------------------------------
     def _next(self) -> Any:
@@ -248,15 +325,16 @@ class RunWriter:
         every step."""
         self._serve_flush_request(drained=False)
         try:
-            return self._queue.get_nowait()
-        except queue.Empty:
+            return self._queue.popleft()
+        except IndexError:
             pass
         self._serve_flush_request(drained=True)
+        if self._closing:
+            return _CLOSE  # the signal path asks without a sentinel
         self._wake.wait(max(0.01, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush))))
-        self._wake.clear()
         try:
-            return self._queue.get_nowait()
-        except queue.Empty:  # drained: a close requested without the sentinel, or the timer
+            return self._queue.popleft()
+        except IndexError:  # drained: a close requested without the sentinel, or the timer
             due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
             return _CLOSE if self._closing else (_FLUSH if due else None)
 
@@ -270,10 +348,13 @@ class RunWriter:
             if isinstance(item, _Sync):
                 if self._pending.rows:
                     self._guarded(lambda: self._write_segment(final=False))
-                item.done.set()  # also after a failure: nobody waits forever
+                item.done = True  # also after a failure: nobody waits forever
                 continue
             if self._error is not None or item is None:
                 continue  # failed: drain and drop until the sentinel
+            if item is not _FLUSH and self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+                self.unwritten += 1  # the process is ending: counted, and the final segment says so
+                continue
             if item is _FLUSH:
                 self._guarded(lambda: self._write_segment(final=False))
                 continue
@@ -287,14 +368,14 @@ class RunWriter:
             return
         if not drained:
             if self._flush_countdown is None:
-                self._flush_countdown = self._queue.qsize()
+                self._flush_countdown = len(self._queue)
             if self._flush_countdown > 0:
                 self._flush_countdown -= 1
                 return
         request, self._flush_request, self._flush_countdown = self._flush_request, None, None
         if self._pending.rows:
             self._guarded(lambda: self._write_segment(final=False))
-        request.set()
+        request.done = True
 
     def _guarded(self, action: Callable[[], None]) -> None:
         if self._error is not None:
@@ -323,6 +404,8 @@ class RunWriter:
         if not self._pending.rows and not final:
             return
         metadata = dict(self._metadata())
+        if self.unwritten:  # records left at exit: steps the run does not hold, as dropped ones
+            metadata[META_DROPPED_STEPS] = str(int(metadata.get(META_DROPPED_STEPS) or 0) + self.unwritten)
         metadata.update({META_WRITER: self.writer_id, META_SEGMENT: str(self._segment),
                          META_FINAL: "true" if final else "false", META_RANK: str(self.rank)})
         table = self._pending.to_table(run_schema(metadata), self._hist_bins)
@@ -341,12 +424,11 @@ class RunWriter:
 
 
 def close_all_writers(*, from_signal: bool = False, timeout: float | None = None, finish: bool = True) -> None:
-    """Close every open writer (at interpreter exit, from :mod:`ampdoctor.shutdown`, and on
-    SIGTERM), within ``timeout``
-    (:data:`CLOSE_TIMEOUT`) seconds in all. ``from_signal``: take no lock (see
-    :meth:`RunWriter.close_from_signal`); with ``finish=False`` only write what is queued and
-    keep recording (the program handles the signal itself and may go on)."""
-    deadline = time.monotonic() + (CLOSE_TIMEOUT if timeout is None else timeout)
+    """Close every open writer at exit (interpreter exit, from :mod:`ampdoctor.shutdown`, and
+    SIGTERM), within ``timeout`` (:data:`EXIT_SECONDS`) seconds in all. ``from_signal``: take no
+    lock (see :meth:`RunWriter.close_from_signal`); with ``finish=False`` only write what is
+    queued and keep recording (the program handles the signal itself and may go on)."""
+    deadline = time.monotonic() + (EXIT_SECONDS if timeout is None else timeout)
     if from_signal:
         writers = _snapshot_without_lock()
     else:
@@ -359,7 +441,7 @@ def close_all_writers(*, from_signal: bool = False, timeout: float | None = None
         elif from_signal:
             w.close_from_signal(left)
         else:
-            w.close(timeout=left)
+            w.close(timeout=left, at_exit=True)
 
 
 def _snapshot_without_lock() -> list["RunWriter"]:

@@ -4,10 +4,14 @@ a traceback or a hang (issue 16)."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import os
+import re
 import shutil
 import signal
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from ampdoctor import run as run_module
+from ampdoctor import segment as segment_module
 from ampdoctor.cli import main
+from ampdoctor.errors import RunError
+from ampdoctor.run import read_run
 from test_run import record
 
 COMMANDS = (["info"], ["report"], ["report", "--format", "html"], ["postmortem"], ["simulate"], ["layers"])
@@ -73,7 +81,7 @@ def _copy(good, tmp_path):
     return dst
 
 
-def _answers(path) -> list[tuple[list[str], int, str]]:
+def _answers(path, commands=COMMANDS) -> list[tuple[list[str], int, str]]:
     """Each command's exit code and output; a hang fails the test (20 s alarm per command)."""
     def hang(signum, frame):
         raise TimeoutError("the command hung")
@@ -81,7 +89,7 @@ def _answers(path) -> list[tuple[list[str], int, str]]:
     out = []
     previous = signal.signal(signal.SIGALRM, hang)
     try:
-        for command in COMMANDS:
+        for command in commands:
             signal.alarm(20)
             try:
                 result = CliRunner().invoke(main, command + [str(path)])
@@ -179,3 +187,236 @@ def test_a_directory_that_cannot_be_listed_gets_one_line(good, tmp_path, monkeyp
     answers = _answers(path)
     _check(answers, {2})
     assert all("cannot list the directory (Permission denied)" in output for _, _, output in answers)
+
+
+# Segments this process cannot open or read (issue 28): skipped with a warning each, like damaged ones.
+# Root ignores permissions, so besides a real chmod 000 the failures are simulated where the reader
+# opens the file; "removed" really removes it.
+def _denied(file):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+
+
+def _io_error(file):
+    raise OSError(errno.EIO, os.strerror(errno.EIO), str(file))
+
+
+def _removed(file):
+    file.unlink()  # gone between the listing and the open: the real error follows
+
+
+OPEN_FAILURES = {"permission denied": (_denied, "Permission denied"), "I/O error": (_io_error, "Input/output error"),
+                 "removed": (_removed, "No such file or directory")}
+
+
+def _fail_open(monkeypatch, files, fail) -> None:
+    """Opening any of ``files`` to read its footer fails as ``fail`` makes it."""
+    def opened(file, *args, **kwargs):
+        if Path(file) in files:
+            fail(Path(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(segment_module, "open", opened, raising=False)
+
+
+def _each_on_a_copy(good, tmp_path, ready, commands=COMMANDS):
+    """``_answers`` with each command on its own copy of ``good``, readied by ``ready(path)``: a
+    removed segment is gone for the next command."""
+    answers = []
+    for i, command in enumerate(commands):
+        path = _copy(good, tmp_path / f"copy{i}")
+        ready(path)
+        answers += _answers(path, [command])
+    return answers
+
+
+def _without(good, tmp_path, name):
+    """A copy of ``good`` without the segment ``name``: what the readable segments hold."""
+    path = _copy(good, tmp_path / "without")
+    (path / name).unlink()
+    return path
+
+
+def _json(command, path):
+    result = CliRunner().invoke(main, [command, str(path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def _same_content(got, expected) -> tuple[dict, dict]:
+    """``info`` and ``report`` of ``got`` say what they say of ``expected`` (the run without the skipped segment)."""
+    info, want = _json("info", got), _json("info", expected)
+    assert {k: info[k] for k in ("rows", "steps", "first_step", "last_step", "kinds")} == \
+           {k: want[k] for k in ("rows", "steps", "first_step", "last_step", "kinds")}
+    report, want = _json("report", got), _json("report", expected)
+    assert (report["run"]["steps"], report["scale"]) == (want["run"]["steps"], want["scale"])
+    return info, report
+
+
+@pytest.mark.parametrize("failure", OPEN_FAILURES)
+def test_a_segment_that_cannot_be_opened_is_skipped_with_a_warning(good, tmp_path, monkeypatch, failure):
+    fail, reason = OPEN_FAILURES[failure]
+    name = sorted(good.glob("*.parquet"))[1].name
+    expected = _without(good, tmp_path, name)
+    warning = f"skipped unreadable segment {name} (cannot read: {reason})"
+    chosen = set()  # the chosen segment of every copy
+    _fail_open(monkeypatch, chosen, fail)
+
+    def ready(path):
+        chosen.add(path / name)
+
+    path = _copy(good, tmp_path / "library")
+    ready(path)
+    run = read_run(path)
+    assert warning in run.warnings and name not in {s.path.name for s in run.segments}
+    assert len(run.frame) == len(read_run(expected).frame) < len(read_run(good).frame)
+
+    answers = _each_on_a_copy(good, tmp_path, ready)
+    _check(answers, {0})
+    path = _copy(good, tmp_path / "json")
+    ready(path)
+    info, _ = _same_content(path, expected)
+    assert info["warnings"] == [warning]
+    path = _copy(good, tmp_path / "json2")
+    ready(path)
+    assert _json("report", path)["warnings"].count(warning) == 1
+
+
+@pytest.mark.parametrize("failure", OPEN_FAILURES)
+def test_a_run_whose_segments_all_cannot_be_opened_gets_one_line(good, tmp_path, monkeypatch, failure):
+    fail, reason = OPEN_FAILURES[failure]
+    chosen = set()
+    _fail_open(monkeypatch, chosen, fail)
+
+    def ready(path):
+        chosen.update(path.glob("*.parquet"))
+
+    path = _copy(good, tmp_path / "library")
+    ready(path)
+    with pytest.raises(RunError) as caught:
+        read_run(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: no readable segments (skipped unreadable segment ")
+    more = len(list(good.glob("*.parquet"))) - 3  # three named, however many there are
+    assert f"(cannot read: {reason})" in message and message.endswith(f"; and {more} more)") and "\n" not in message
+    answers = _each_on_a_copy(good, tmp_path, ready)
+    _check(answers, {2})
+    assert all("no readable segments" in output and reason in output for _, _, output in answers)
+
+
+@pytest.mark.parametrize("failure", OPEN_FAILURES)
+def test_a_single_segment_file_that_cannot_be_opened_is_the_runs_error(good, tmp_path, monkeypatch, failure):
+    """The path given is the segment: failing to open it is the run's error, not a skip."""
+    fail, reason = OPEN_FAILURES[failure]
+    chosen = set()
+    _fail_open(monkeypatch, chosen, fail)
+
+    def alone(i):
+        file = tmp_path / f"alone{i}.parquet"
+        shutil.copyfile(sorted(good.glob("*.parquet"))[1], file)
+        chosen.add(file)
+        return file
+
+    file = alone("")
+    with pytest.raises(RunError, match=f"^{re.escape(str(file))}: cannot read: {reason}$"):
+        read_run(file)
+    answers = [answer for i, command in enumerate(COMMANDS) for answer in _answers(alone(i), [command])]
+    _check(answers, {2})
+    assert all(output.endswith(f"cannot read: {reason}") for _, _, output in answers)
+
+
+def _permissions_apply(tmp_path) -> bool:
+    """Whether this process is kept out of a file by its mode: root is not (os.geteuid() == 0),
+    unless its CAP_DAC_OVERRIDE was dropped (``setpriv --bounding-set -dac_override,-dac_read_search``)."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    probe.chmod(0)
+    try:
+        probe.open("rb").close()
+        return False
+    except PermissionError:
+        return True
+
+
+def test_segments_without_read_permission_are_skipped(good, tmp_path):
+    if not _permissions_apply(tmp_path):
+        pytest.skip("this process reads a file whatever its permissions, as root does (simulated above)")
+    path = _copy(good, tmp_path)
+    files = sorted(path.glob("*.parquet"))
+    try:
+        files[1].chmod(0)
+        _check(_answers(path), {0})
+        _same_content(path, _without(good, tmp_path, files[1].name))
+        assert f"skipped unreadable segment {files[1].name} (cannot read: Permission denied)" in read_run(path).warnings
+        for file in files:
+            file.chmod(0)
+        answers = _answers(path)
+        _check(answers, {2})
+        assert all("no readable segments" in output and "Permission denied" in output for _, _, output in answers)
+    finally:
+        for file in files:
+            file.chmod(0o644)
+
+
+def _data_io_error(monkeypatch, files) -> None:
+    """Reading the data of any of ``files`` fails with an I/O error (simulated: the footer read fine)."""
+    def failing(real):
+        def read(source, *args, **kwargs):
+            if Path(source) in files:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(source))
+            return real(source, *args, **kwargs)
+        return read
+
+    for name in ("read_table", "read_schema", "ParquetFile"):
+        monkeypatch.setattr(run_module.pq, name, failing(getattr(pq, name)))
+
+
+DATA_FAILURES = {"removed": (lambda monkeypatch, files: [f.unlink() for f in files], "No such file or directory"),
+                 "I/O error": (_data_io_error, "Input/output error")}
+
+
+@pytest.mark.parametrize("failure", DATA_FAILURES)
+def test_a_segment_that_fails_after_its_footer_was_read_is_skipped_once(good, tmp_path, monkeypatch, failure):
+    """Footers validated, then a segment removed or failing to read: skipped with one warning
+    however often the data is read; every segment so: one line naming the cause."""
+    fail, reason = DATA_FAILURES[failure]
+    name = sorted(good.glob("*.parquet"))[1].name
+    expected = _without(good, tmp_path, name)
+    warning = f"skipped unreadable segment {name} (cannot read: {reason})"
+
+    path = _copy(good, tmp_path / "library")
+    run = read_run(path)
+    fail(monkeypatch, {path / name})
+    assert len(run.frame) == len(read_run(expected).frame)
+    run.table(["step", "scale"], kinds=["step"])
+    assert sum(1 for _ in run.batches(["step", "kind"])) and run.warnings.count(warning) == 1
+    assert [w for w in run.warnings if w.startswith("skipped")] == [warning]
+
+    path = _copy(good, tmp_path / "all")
+    run = read_run(path)
+    fail(monkeypatch, set(path.glob("*.parquet")))
+    with pytest.raises(RunError, match=f"^{re.escape(str(path))}: no readable segments \\(the data of no segment "
+                                       f"could be read: skipped unreadable segment .*\\(cannot read: {reason}\\)\\)$"):
+        run.table()
+
+    # The CLI: each segment fails once read_run has validated the footers, before any data is read.
+    located, chosen = run_module._located, set()
+
+    def then_fail(*args, **kwargs):
+        out = located(*args, **kwargs)
+        fail(monkeypatch, {f for f in chosen if f.exists()})
+        return out
+
+    monkeypatch.setattr(run_module, "_located", then_fail)
+    answers = _each_on_a_copy(good, tmp_path / "one", lambda path: chosen.add(path / name))
+    _check(answers, {0})
+    path = _copy(good, tmp_path / "json")
+    chosen.add(path / name)
+    info = _json("info", path)
+    assert info["rows"] == _json("info", expected)["rows"] and info["warnings"] == [warning]
+    path = _copy(good, tmp_path / "json2")
+    chosen.add(path / name)
+    assert _json("report", path)["warnings"].count(warning) == 1
+
+    answers = _each_on_a_copy(good, tmp_path / "every", lambda path: chosen.update(path.glob("*.parquet")))
+    _check(answers, {2})
+    assert all("no readable segments" in output and reason in output for _, _, output in answers)
