@@ -13,6 +13,17 @@ the nodes of tapped outputs it was computed from (``h = x + proj(a)``: the resid
 projection's calls). The walk is the one costly part (a transformer block's attention projection
 is ten nodes from ``qkv``'s output), and it is needed for only a few calls per block.
 
+Passed on or computed. A call whose returned tensor reached this one only after untapped code
+computed with it (an autograd Function called inline, ``x * s``, a matmul, a cast) is stored as
+``~call`` (``-1 - call``, :func:`through_untapped`): a non-finite gradient w.r.t. that call's
+output may then have been made by that code's backward, which ran in an enclosing call, not in this
+call's. Untapped nodes whose backward cannot make a finite gradient non-finite (:data:`PASSES`:
+views, reshapes, transposes, slices, splits, copies, ``x + y``, ReLU, tanh, sigmoid: each element
+moved or multiplied by at most 1 in magnitude) are looked through: a tensor made by those alone
+from a tapped output counts as that output. Telling them apart costs nothing on the common path
+(the argument is a tapped output, unchanged) and a dictionary lookup per node the walk meets before
+the first node that computes.
+
 Computed anew for every call, then reused. The facts of call ``k`` are found exactly on every
 step. Whether the untapped code between two calls routed the same tensors as on the step before
 can only be told from the autograd graph, which is the walk a cache of the facts would save; a
@@ -43,7 +54,46 @@ import torch
 MAX_REMEMBERED = 1 << 16  # returned-tensor entries kept per map before it is pruned (long forward-only loops)
 MAX_WALK = 64             # autograd nodes visited per argument when looking for its tapped sources
 
+# Autograd nodes whose backward cannot make a finite gradient non-finite: it moves the gradient's
+# elements or multiplies each by a factor of magnitude at most 1 (not expand, gather or as_strided,
+# which sum elements; not a dtype cast, which overflows a float32 gradient beyond float16's range).
+PASSES = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "TBackward0",
+    "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "SqueezeBackward2", "UnsqueezeBackward0", "SliceBackward0", "SelectBackward0", "CloneBackward0",
+    "SplitBackward0", "SplitWithSizesBackward0", "UnbindBackward0", "NegBackward0", "AbsBackward0",
+    "ReluBackward0", "ThresholdBackward0", "HardtanhBackward0", "TanhBackward0", "SigmoidBackward0",
+    "HardsigmoidBackward0", "SoftplusBackward0",
+})
+# Nodes that pass the gradient on times a saved factor: they pass when it is at most 1 in magnitude.
+SCALED_PASSES = {"AddBackward0": "_saved_alpha", "SubBackward0": "_saved_alpha", "RsubBackward0": "_saved_alpha",
+                 "RsubBackward1": "_saved_alpha", "LeakyReluBackward0": "_saved_negative_slope"}
+_passing: dict[type, bool | str] = {}  # node type -> passes, or the name of its factor (one store per key: no lock)
+
 _Tensor = torch.Tensor
+
+
+def through_untapped(source: int) -> bool:
+    """Whether an entry of ``inputs`` is a call whose returned tensor was received only after
+    untapped operations computed with it (stored as ``~call``); ``~source`` is then the call."""
+    return source < 0
+
+
+_NUMBERS = (int, float)
+
+
+def _passes(node) -> bool:
+    """Whether ``node``'s backward cannot make a finite gradient non-finite (:data:`PASSES`).
+    Inlined in :meth:`CallGraph._upstream`. No sync."""
+    kind = type(node)
+    passes = _passing.get(kind)
+    if passes is None:
+        name = kind.__name__
+        passes = _passing[kind] = SCALED_PASSES.get(name, name in PASSES)
+    if passes is True or passes is False:
+        return passes
+    factor = getattr(node, passes, None)  # (a Python number: no sync)
+    return type(factor) in _NUMBERS and -1 <= factor <= 1
 
 
 class ModuleCall(NamedTuple):
@@ -103,7 +153,13 @@ class CallGraph:
             found = []
             for t in tensors_in(args, kwargs):
                 found.extend(self._sources(t))
-        inputs = tuple(sorted(set(found))) if len(found) > 1 else tuple(found)
+        if len(found) > 1:
+            unique = set(found)
+            if min(unique) < 0:  # a call reached both unchanged and through code: through code
+                unique = {c for c in unique if c < 0 or ~c not in unique}
+            inputs = tuple(sorted(unique))
+        else:
+            inputs = tuple(found)
         info = self._previous.get(call)
         if (info is None or info.inputs != inputs or info.parent != parent or info.module_id != module_id
                 or info.name != name):
@@ -139,9 +195,10 @@ class CallGraph:
         return mark == node._sequence_nr() if isinstance(mark, int) and node is not None else (
             not isinstance(mark, int) and mark() is t)
 
-    def _sources(self, t: torch.Tensor) -> list[int] | set[int]:
+    def _sources(self, t: torch.Tensor) -> list[int]:
         """The tapped calls whose returned tensors reach ``t`` (possibly repeated): the calls
-        that returned this very tensor unmodified, else a walk from its autograd node. No sync."""
+        that returned this very tensor unmodified, else a walk from its autograd node; calls
+        reached only through nodes that compute (not :data:`PASSES`) as ``~call``. No sync."""
         held = self._tensors.get(id(t))
         if held is not None:
             version = t._version
@@ -159,24 +216,41 @@ class CallGraph:
         kind = type(node)
         return [call for k, call in _entries(held) if k is kind] or None
 
-    def _upstream(self, node) -> set[int]:
+    def _upstream(self, node) -> list[int]:
         """Breadth-first from ``node`` through untapped autograd nodes, stopping at the nodes of
-        tapped outputs (``node`` itself too); visits at most MAX_WALK nodes. The queue keeps
-        every visited node's Python object alive during the walk, so their ids stay unique; it
-        is dropped on return. No sync."""
-        calls: set[int] = set()
-        queue, seen = [node], {id(node)}
+        tapped outputs (``node`` itself too): their calls, as ``~call`` when reached through a
+        node that computes (not :data:`PASSES`); visits at most MAX_WALK nodes. A node reached
+        first by a path that only passes gradients on is visited again if a path through code
+        reaches it too. The queue keeps every visited node's Python object alive during the
+        walk, so their ids stay unique; it is dropped on return. No sync."""
+        calls: list[int] = []
+        queue, through, seen = [node], [False], {id(node): False}  # through: past a node that computes
         for visited, current in enumerate(queue):  # (the loop sees what is appended to the queue)
             if visited == MAX_WALK:
                 break
+            computed = through[visited]
             hit = self._returned_by(current)
             if hit is not None:
-                calls.update(hit)
+                calls.extend([~call for call in hit] if computed else hit)
                 continue
+            if not computed:  # (_passes, inlined)
+                passes = _passing.get(type(current))
+                if passes is not True:
+                    if passes is None:
+                        computed = not _passes(current)
+                    elif passes is False:
+                        computed = True
+                    else:
+                        factor = getattr(current, passes, None)
+                        computed = not (type(factor) in _NUMBERS and -1 <= factor <= 1)
             for nxt, _ in current.next_functions:
-                if nxt is not None and id(nxt) not in seen:
-                    seen.add(id(nxt))
-                    queue.append(nxt)
+                if nxt is not None:
+                    key = id(nxt)
+                    before = seen.get(key)
+                    if before is None or (computed and not before):
+                        seen[key] = computed
+                        queue.append(nxt)
+                        through.append(computed)
         return calls
 
 

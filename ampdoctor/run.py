@@ -25,7 +25,8 @@ from .errors import RunError, one_line
 from .hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
 from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
                      META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
-                     META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION, meta_number)
+                     META_UNWRITTEN_AT_EXIT, META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION,
+                     meta_number)
 from .segment import (COLUMN_TYPES, BadSegment, ForeignParquet, Segment, is_finished_segment, read_failure,
                       read_segment)
 
@@ -78,8 +79,22 @@ class Run:
         return sum(count for _, count in latest.values())
 
     @property
+    def unwritten_at_exit(self) -> int:
+        """Steps queued but not written because their process ended before its writer took them
+        (the exit's deadline: a slow disk), over all writers' final segments."""
+        total = 0
+        for seg in self.segments:
+            if seg.metadata.get(META_FINAL) == "true":
+                try:
+                    total += int(seg.metadata.get(META_UNWRITTEN_AT_EXIT) or 0)
+                except ValueError:
+                    continue
+        return total
+
+    @property
     def ended_cleanly(self) -> bool:
-        return all(self.writers.values())
+        """Every writer wrote its final segment, and with every step it was given."""
+        return all(self.writers.values()) and not self.unwritten_at_exit
 
     @property
     def size_bytes(self) -> int:
@@ -199,6 +214,9 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     if run.dropped_steps:
         run.warnings.append(f"{run.dropped_steps} step(s) were not recorded: the writer fell behind (a slow or "
                             f"stalled disk) and training did not wait for it")
+    if run.unwritten_at_exit:
+        run.warnings.append(f"{run.unwritten_at_exit} step(s) at the end were not written: the process ended "
+                            f"while the writer was behind (a slow disk), and its exit waits only so long")
     return run
 
 
@@ -450,6 +468,7 @@ def describe(run: Run) -> dict:
         "segments": len(run.segments),
         "size_bytes": run.size_bytes,
         "ended_cleanly": run.ended_cleanly,
+        "unwritten_at_exit": run.unwritten_at_exit,
         "warnings": list(run.warnings),
     }
 

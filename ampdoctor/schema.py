@@ -46,6 +46,9 @@ META_RUN_ID = "run.id"
 META_RUN_STARTED = "run.started"          # ISO 8601 with time zone, one-second resolution
 META_LEVEL = "record.level"               # "steps", "params" or "full"
 META_DROPPED_STEPS = "record.dropped_steps"
+# Steps queued but not written because the process ended before the writer could take them (its
+# exit deadline, writer.py): nonzero only on a final segment; absent in runs before 2026-11-26.
+META_UNWRITTEN_AT_EXIT = "record.unwritten_at_exit"
 # JSON object: module name -> class name, for the modules whose name ends in an index (the
 # children of nn.Sequential / nn.ModuleList: "blocks.0", "mlp.2"), so reports can say what "mlp.2"
 # is. Written only when the scaler was given `model=`; absent in older runs.
@@ -59,7 +62,7 @@ META_KEYS = (
     META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, META_WRITER, META_SEGMENT, META_FINAL, META_RANK,
     META_WORLD_SIZE, META_DEVICE, META_AMP_DTYPE, META_SCALER_CLASS, META_SCALER_ENABLED, *SCALER_META.values(),
     META_HIST_MIN_EXP, META_HIST_BINS, META_RUN_ID, META_RUN_STARTED, META_LEVEL, META_DROPPED_STEPS,
-    META_MODULE_TYPES,
+    META_UNWRITTEN_AT_EXIT, META_MODULE_TYPES,
 )
 
 

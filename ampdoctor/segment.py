@@ -25,7 +25,8 @@ from .formats import FORMATS
 from .hist_column import is_hist_type, unreadable_here
 from .schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_STEPS, META_GROWTH_FACTOR,
                      META_GROWTH_INTERVAL, META_HIST_BINS, META_HIST_MIN_EXP, META_INIT_SCALE, META_LEVEL,
-                     META_SCHEMA_VERSION, META_WORLD_SIZE, SCHEMA_VERSION, HIST_BINS, meta_number, run_schema)
+                     META_SCHEMA_VERSION, META_UNWRITTEN_AT_EXIT, META_WORLD_SIZE, SCHEMA_VERSION, HIST_BINS,
+                     meta_number, run_schema)
 
 MAGIC = b"PAR1"  # the first and last four bytes of every Parquet file
 COLUMN_TYPES = {f.name: f.type for f in run_schema()}
@@ -205,6 +206,7 @@ _METADATA_CHECKS: dict[str, tuple[type, Callable[[float], bool], str]] = {
     META_HIST_BINS: (int, lambda v: 2 <= v <= 4096, "an integer from 2 to 4096"),
     META_HIST_MIN_EXP: (int, lambda v: -1100 <= v <= 1100, "an exponent from -1100 to 1100"),
     META_DROPPED_STEPS: (int, lambda v: v >= 0, "a count"),
+    META_UNWRITTEN_AT_EXIT: (int, lambda v: v >= 0, "a count"),
 }
 _METADATA_CHOICES = {META_AMP_DTYPE: tuple(FORMATS), META_LEVEL: LEVELS}
 

@@ -31,8 +31,9 @@ queue's mutex, held by the interrupted ``put``: the process hung for the whole t
   queue is full or the disk hangs; the signal path (:func:`close_all_writers` with
   ``from_signal``) takes no lock and makes no queue operation but a ``deque`` attribute read;
 * at exit (interpreter exit, SIGTERM) the worker is told the deadline: past 60% of it, it stops
-  turning records into rows, counts those left as not written (``record.dropped_steps`` of its
-  final segment, which readers report), and writes what it holds; a worker stuck in a write
+  turning records into rows, counts those left as not written (``record.unwritten_at_exit`` of
+  its final segment: readers report them and say the run did not end cleanly), and writes what it
+  holds; a worker stuck in a write
   (a stalled disk) is left behind, and the run has no final segment (readers say it did not end
   cleanly);
 * a worker thread that died (not through a failure it caught) is noticed at the next ``put``,
@@ -58,7 +59,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .hist_column import hist_array
-from .schema import (META_DROPPED_STEPS, META_FINAL, META_RANK, META_SEGMENT, META_WRITER, run_schema)
+from .schema import META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
 
 _CLOSE = object()   # shutdown sentinel
 EXIT_SECONDS = 5.0    # the one bound: each wait for the writer, and each exit path in all
@@ -404,8 +405,8 @@ class RunWriter:
         if not self._pending.rows and not final:
             return
         metadata = dict(self._metadata())
-        if self.unwritten:  # records left at exit: steps the run does not hold, as dropped ones
-            metadata[META_DROPPED_STEPS] = str(int(metadata.get(META_DROPPED_STEPS) or 0) + self.unwritten)
+        # Records left at exit (0 before): the run says it lacks them, and did not end cleanly.
+        metadata[META_UNWRITTEN_AT_EXIT] = str(self.unwritten)
         metadata.update({META_WRITER: self.writer_id, META_SEGMENT: str(self._segment),
                          META_FINAL: "true" if final else "false", META_RANK: str(self.rank)})
         table = self._pending.to_table(run_schema(metadata), self._hist_bins)

@@ -131,7 +131,61 @@ def test_untapped_routing_that_changes_with_the_step_is_followed():
     for step, (kept, _) in enumerate(run_steps(Routed())):
         calls = {c.name: c for kind, _, c in kept if kind == "output"}
         source = "a" if step % 2 else "b"
-        assert calls["head"].inputs == (calls[source].call,), step
+        # (``* 2`` computes with it: the source is stored as ``~call``)
+        assert calls["head"].inputs == (~calls[source].call,), step
+
+
+class Total(nn.Module):
+    """Returns a new tensor (not its input, as ``nn.Identity`` does: the next consumer would
+    then receive this module's output too)."""
+
+    def forward(self, x):
+        return x.float().sum()
+
+
+class Routes(nn.Module):
+    """``a``'s output reaches each consumer another way: unchanged, through views, through code
+    that passes gradients on (tanh, ReLU, a residual add), and through code that computes with
+    it (``* 3``, an autograd Function, a cast, ``expand``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.names = ["same", "view", "passes", "scaled", "function", "cast", "expand", "mixed"]
+        for name in self.names:
+            setattr(self, name, Total())
+
+    def forward(self, x):
+        from models import Amplify
+
+        h = self.a(x)
+        outs = [self.same(h),
+                self.view(h.view(-1, 4, 4).transpose(1, 2)[:, 1:].reshape(-1, 12)),
+                self.passes(torch.relu(torch.tanh(h) + x)),
+                self.scaled(h * 3),
+                self.function(Amplify.apply(h, 1.0)),
+                self.cast(h.double()),
+                self.expand(h[:1].expand(4, -1)),
+                self.mixed(h + h * 3)]  # unchanged on one path, computed on the other
+        return sum(outs)
+
+
+def test_inputs_say_whether_untapped_code_computed_with_the_tensor():
+    """A consumer that received a tapped output through code whose backward may make a finite
+    gradient non-finite lists it as ``~call``; through views and pass-through code, as ``call``."""
+    model = Routes()
+    sink = Recording()
+    taps = ModuleTaps(model, None, sink)
+    taps.install()
+    x = torch.randn(4, 16)
+    model(x).backward()
+    taps.remove()
+    calls = {c.name: c for kind, _, c in sink.seen if kind == "output"}
+    a = calls["a"].call
+    direct, computed = (a,), (~a,)
+    assert {name: calls[name].inputs for name in model.names} == {
+        "same": direct, "view": direct, "passes": direct, "scaled": computed, "function": computed,
+        "cast": computed, "expand": computed, "mixed": computed}
 
 
 def test_a_static_model_makes_no_new_call_objects_after_its_first_step():

@@ -249,8 +249,9 @@ def test_the_documented_exit_bound_holds_with_a_stalled_disk(tmp_path):
 
 def test_an_exit_short_of_time_counts_what_it_could_not_write(run_path):
     """A slow writer (not a stalled one) at exit with 20 records queued: past its share of the
-    bound it stops turning records into rows, writes what it holds, and the run counts the rest
-    as steps not recorded: present plus counted is every step, and readers say how many."""
+    bound it stops turning records into rows, writes what it holds, and the run counts the rest:
+    present plus counted is every step, readers say how many, and that the run did not end
+    cleanly."""
     torch.manual_seed(0)
     model = MLP()
     scaler = ampdoctor.GradScaler("cpu", model=model, path=run_path, flush_every=10_000, flush_seconds=3600)
@@ -269,8 +270,14 @@ def test_an_exit_short_of_time_counts_what_it_could_not_write(run_path):
     run = read_run(run_path)
     steps = _steps(run_path)
     assert 0 < len(steps) < 20 and steps == list(range(len(steps)))
-    assert run.dropped_steps == recorder.writer.unwritten > 0
-    # (records are steps here, plus the final parameter check's; present + counted covers all)
-    assert len(steps) + run.dropped_steps >= 20
-    assert any(w.startswith(f"{run.dropped_steps} step(s) were not recorded") for w in run.warnings)
-    assert run.ended_cleanly
+    assert run.unwritten_at_exit == recorder.writer.unwritten > 0 and run.dropped_steps == 0
+    # (records are the steps', plus the final parameter check's: present and counted cover every step)
+    assert len(steps) + run.unwritten_at_exit >= 20
+    assert any(w.startswith(f"{run.unwritten_at_exit} step(s) at the end were not written") for w in run.warnings)
+    assert not run.ended_cleanly
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+    result = CliRunner().invoke(main, ["info", str(run_path)])
+    assert result.exit_code == 0, result.output
+    assert f"at exit, {run.unwritten_at_exit} step(s) not written" in result.output

@@ -12,7 +12,7 @@ import ampdoctor
 from ampdoctor.analysis.origins import OUTSIDE, find_origins, nonfinite_rows
 from ampdoctor.analysis.report import report_data
 from ampdoctor.render import contract
-from models import CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
+from models import Amplify, CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 
 K = 3          # the step at which something goes wrong
 STEPS = 6
@@ -268,3 +268,205 @@ def test_masked_minus_inf_activation_is_not_an_anomaly(run_path):
     assert nonfinite_rows(frame[(frame.kind == "output") & (frame.name == "mask")]).all()
     (o,) = find_origins(frame)
     assert o.step == K and o.forward.name == "mask" and o.overflow.name == "blocks.1.inner.boom"
+
+
+# -- autograd Functions called inline, in a module's own forward (not wrapped in a module) ---------
+
+class InfBackward(torch.autograd.Function):
+    """Identity forward; at ``fire`` its backward returns inf in place of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, fire):
+        ctx.fire = fire
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (torch.full_like(grad, float("inf")) if ctx.fire else grad), None
+
+
+class Float32Amplify(torch.autograd.Function):
+    """Computes in float32 (``custom_fwd``); its backward returns a float32 gradient ``factor``
+    times larger, finite, which autograd casts back to its float16 input's dtype: it overflows there."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x * 1.0
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def inline(kind: str, x: torch.Tensor, fire: bool) -> torch.Tensor:
+    if kind == "amplify":  # fp16 arithmetic: grad * 1e8 overflows
+        return Amplify.apply(x, 1e8 if fire else 1.0)
+    if kind == "inf":
+        return InfBackward.apply(x, fire)
+    return Float32Amplify.apply(x, 1e8 if fire else 1.0)
+
+
+class Probe:
+    """The gradients w.r.t. a Function's input and output at the step it fires, from tensor hooks
+    of the test's own: whether each was finite."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.finite: dict[str, bool] = {}
+
+    def around(self, fn, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            x.register_hook(self._keep("input"))
+        y = fn(x)
+        if self.armed:
+            y.register_hook(self._keep("output"))
+        return y
+
+    def _keep(self, what: str):
+        def hook(grad):
+            self.finite[what] = bool(torch.isfinite(grad).all())
+        return hook
+
+
+class InlineBlock(torch.nn.Module):
+    """``b(Function(a(x)))``: the Function is called by this block's own forward, on call
+    ``fire_on`` of each forward (``calls`` is reset by its owner)."""
+
+    def __init__(self, kind: str, probe: Probe, d: int = 16, fire_on: int = 0) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.kind, self.probe, self.fire_on = kind, probe, fire_on
+        self.fire, self.calls = False, 0
+
+    def forward(self, x):
+        mine = self.fire and self.calls == self.fire_on
+        self.calls += 1
+        self.probe.armed = mine
+        return self.b(self.probe.around(lambda h: inline(self.kind, h, mine), self.a(x)))
+
+
+class InlineNet(torch.nn.Module):
+    """``head(block(block(inp(x))))`` (the block called ``calls`` times), or with ``top``, the
+    Function called by the model's own forward between the block and the head."""
+
+    def __init__(self, kind: str, *, top: bool = False, calls: int = 1, fire_on: int = 0) -> None:
+        super().__init__()
+        self.probe = Probe()
+        self.inp = torch.nn.Linear(16, 16)
+        self.block = InlineBlock(kind, self.probe, fire_on=fire_on)
+        self.head = torch.nn.Linear(16, 4)
+        self.kind, self.top, self.n_calls = kind, top, calls
+        self.fire = False
+
+    def forward(self, x):
+        self.block.calls = 0
+        self.block.fire = self.fire and not self.top
+        h = self.inp(x)
+        for _ in range(self.n_calls):
+            h = self.block(h)
+        if self.top:
+            self.probe.armed = self.fire
+            h = self.probe.around(lambda t: inline(self.kind, t, self.fire), h)
+        return self.head(h)
+
+
+def call_of(frame, step, name, occurrence=0) -> int:
+    """The ``call`` number of a module's ``occurrence``-th call at ``step``, from its output rows."""
+    return int(sorted(rows(frame, step, "output", name)["call"])[occurrence])
+
+
+@pytest.mark.parametrize("kind", ["amplify", "inf", "float32"])
+def test_function_called_inline_in_a_block_is_named_by_the_block(kind, run_path):
+    """A Function called between the block's two children (not wrapped in a module) makes the
+    first non-finite gradient: the block whose forward called it is named, not ``block.b``, whose
+    backward ran just before, nor ``head``."""
+    torch.manual_seed(0)
+    model = InlineNet(kind)
+    frame = record(model, run_path, before_step=set_at(model, "fire", True, K, normal=False))
+    # Ground truth from the test's own hooks: b's backward handed the Function a finite gradient,
+    # the Function's backward made it non-finite.
+    assert model.probe.finite == {"output": True, "input": False}
+    (o,) = find_origins(frame)
+    assert o.step == K and o.skipped and o.forward is None
+    assert (o.overflow.name, o.overflow.kind, o.overflow.tensor) == ("block", "grad_output", "block.a")
+    assert (o.overflow.call, o.overflow.occurrence) == (call_of(frame, K, "block"), 0)
+    # The rows agree: b's output gradient finite, a's (the Function's input's) not, in float16.
+    assert not nonfinite_rows(rows(frame, K, "grad_output", "block.b")).any()
+    into_a = rows(frame, K, "grad_output", "block.a")
+    assert into_a.dtype.iloc[0] == "float16" and into_a.n_inf.iloc[0] > 0
+    report = contract(report_data(run_path))
+    (origin,) = report["overflow_origins"]
+    assert (origin["name"], origin["kind"], origin["first_step"]) == ("block", "grad_output", K)
+
+
+@pytest.mark.parametrize("fire_on", [0, 1])
+def test_function_called_inline_names_the_call_of_the_block_that_ran_it(fire_on, run_path):
+    """The block is called twice; the Function fires in one of its calls: that call is named."""
+    torch.manual_seed(0)
+    model = InlineNet("amplify", calls=2, fire_on=fire_on)
+    frame = record(model, run_path, before_step=set_at(model, "fire", True, K, normal=False))
+    assert model.probe.finite == {"output": True, "input": False}
+    (o,) = find_origins(frame)
+    assert (o.overflow.name, o.overflow.occurrence) == ("block", fire_on)
+    assert o.overflow.call == call_of(frame, K, "block", fire_on)
+    # The first non-finite gradient in backward order is the one into the Function: the output
+    # gradient of block.a in the same call of the block.
+    grads = rows(frame, K, "grad_output").sort_values("order")
+    first = grads[nonfinite_rows(grads)].iloc[0]
+    assert (first["name"], int(first["call"])) == ("block.a", call_of(frame, K, "block.a", fire_on))
+
+
+@pytest.mark.parametrize("kind", ["amplify", "inf", "float32"])
+def test_function_called_inline_in_the_model_forward_is_named_by_the_model(kind, run_path):
+    """The Function sits between the block and the head in the model's own forward: the model is
+    named (the head's backward was finite), and the postmortem names it too."""
+    from ampdoctor.analysis.postmortem import postmortem_data
+
+    torch.manual_seed(0)
+    model = InlineNet(kind, top=True)
+    steps = K + 6  # every step from K skipped: a run of skipped steps for the postmortem
+    frame = record(model, run_path, before_step=set_at(model, "fire", True, range(K, steps), normal=False),
+                   data=batches(steps, seed=0))
+    assert model.probe.finite == {"output": True, "input": False}
+    origins = find_origins(frame)
+    assert [o.step for o in origins] == list(range(K, steps))
+    for o in origins:
+        assert (o.overflow.name, o.overflow.kind, o.overflow.occurrence) == ("(model)", "grad_output", 0)
+        assert o.overflow.tensor in ("block", "block.b")  # the block returned b's output as its own
+    assert not nonfinite_rows(rows(frame, K, "grad_output", "head")).any()
+    pm = contract(postmortem_data(run_path))
+    assert pm["cause"] == "backward_overflow" and pm["origin"]["name"] == "(model)"
+
+
+@pytest.mark.parametrize("between", ["scaled", "passed"])
+def test_overflow_through_computing_inline_code_names_the_enclosing_call(between, run_path):
+    """The reverse case: the consumer's backward overflows (an amplifier wrapped in a module, at a
+    known step), and its input came through untapped code. Through code that computes (``* 0.5``)
+    the record cannot tell the consumer's backward from that code's: the call whose code ran it,
+    which holds both, is named. Through code that only passes gradients on (``torch.tanh``, a
+    reshape) the consumer itself is named."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(16, 16)
+            self.block = torch.nn.Module()
+            self.block.a, self.block.amp = torch.nn.Linear(16, 16), CallAmplifier(fire_on=0)
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            self.block.amp.calls = 0
+            h = self.block.a(self.inp(x))
+            h = h * 0.5 if between == "scaled" else torch.tanh(h).reshape(h.shape)
+            return self.head(self.block.amp(h))
+
+    torch.manual_seed(0)
+    model = Net()
+    frame = record(model, run_path, before_step=set_at(model.block.amp, "factor", 1e8, K))
+    (o,) = find_origins(frame)
+    assert (o.overflow.name, o.overflow.tensor) == ("(model)" if between == "scaled" else "block.amp", "block.a")
+    # The amplifier's output gradient was finite, the gradient into block.a was not.
+    assert not nonfinite_rows(rows(frame, K, "grad_output", "block.amp")).any()
+    assert nonfinite_rows(rows(frame, K, "grad_output", "block.a")).all()

@@ -188,6 +188,22 @@ def test_params_level_gives_the_cause_and_says_what_is_missing(tmp_path):
     assert ampdoctor.postmortem(path)["cause"] == "divergence"
 
 
+def test_a_run_of_skips_whose_first_step_has_no_module_rows_says_where_its_origin_is_from(tmp_path):
+    """At level='params' the escalation records module rows from the step after the first skip:
+    the origin is that step's, and a note says the first skipped step's is not known."""
+    path = tmp_path / "params.parquet"
+    scenario("backward_overflow", path, level="params")
+    frame = ampdoctor.load(path)
+    with_rows = sorted(frame.loc[(frame.kind == "grad_output") & (frame.step >= FAULT), "step"].unique())
+    assert with_rows and with_rows[0] > FAULT  # the run has no module rows at its first skipped step
+    pm = ampdoctor.postmortem(path)
+    assert (pm["cause"], pm["first_nonfinite_step"]) == ("backward_overflow", FAULT)
+    assert (pm["origin"]["name"], pm["origin"]["step"]) == ("blocks.1.inner.boom", with_rows[0])
+    assert any(f"the origin is from step {with_rows[0]}" in n and f"step {FAULT} has no module rows" in n
+               for n in pm["notes"]), pm["notes"]
+    assert all(o["first_step"] > with_rows[0] for o in pm["evidence"].get("later_origins", []))
+
+
 @pytest.mark.parametrize("how", ["sigkill", "raise"])
 def test_a_run_that_dies_right_after_the_event_still_explains_it(tmp_path, how):
     path = tmp_path / "dead.parquet"
@@ -300,3 +316,124 @@ def test_exit_checks_the_parameters_once_more(tmp_path):
                                                                     "rank": 0, "step": bad}
     old = ampdoctor.load(abandoned)
     assert list(old[old.kind == "param"].step) == [0]  # the sampled step only
+
+
+class AmplifyBackward(torch.nn.Module):
+    """Identity forward; its backward multiplies the gradient by ``factor`` (in float16: 1e8 overflows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        from models import Amplify
+
+        return Amplify.apply(x, self.factor)
+
+
+class GAN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        self.D = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LeakyReLU(0.2), AmplifyBackward(),
+                                     torch.nn.Linear(16, 1))
+
+
+class GradientWatch:
+    """The test's own ground truth, per step: whether ``D.2``'s backward turned a finite gradient
+    into a non-finite one, and whether ``D.0``'s weight gradient went non-finite while every
+    gradient w.r.t. its output was finite (an overflow in its own reduction)."""
+
+    def __init__(self, gan: GAN) -> None:
+        self.step = 0
+        self.d2_made: set[int] = set()
+        self.d0_weight_bad: set[int] = set()
+        self.d0_output_bad: set[int] = set()
+        gan.D[2].register_forward_hook(self._around_d2)
+        gan.D[0].register_forward_hook(self._on_d0_output)
+        gan.D[0].weight.register_hook(self._flag(self.d0_weight_bad))
+
+    def _flag(self, steps: set):
+        def hook(grad):
+            if not torch.isfinite(grad).all():
+                steps.add(self.step)
+        return hook
+
+    def _on_d0_output(self, module, args, out):
+        out.register_hook(self._flag(self.d0_output_bad))
+
+    def _around_d2(self, module, args, out):
+        seen = {}
+        step = self.step
+
+        def keep(what):
+            def hook(grad):
+                seen[what] = bool(torch.isfinite(grad).all())
+                if seen.get("output") and seen.get("input") is False:
+                    self.d2_made.add(step)
+            return hook
+
+        out.register_hook(keep("output"))
+        args[0].register_hook(keep("input"))
+
+    def d0_own_overflow(self) -> set[int]:
+        return self.d0_weight_bad - self.d0_output_bad
+
+
+def test_a_run_of_skipped_steps_names_its_first_steps_origin(tmp_path):
+    """Two optimizers, one scaler (a GAN). From step 6 the discriminator's backward overflows:
+    first in ``D.2``'s backward (steps 6-7), then, as the scale falls, in ``D.0``'s weight
+    gradient (a batch 2e4 times larger from step 8), which is the more frequent origin. The
+    postmortem names the first skipped step's origin, and the later one as data."""
+    from ampdoctor.analysis.report import report_data
+
+    torch.manual_seed(0)
+    gan = GAN()
+    with torch.no_grad():
+        gan.D[0].weight.mul_(0.01)  # the large batch makes large weight gradients, not activations
+    watch = GradientWatch(gan)
+    opt_d = torch.optim.SGD(gan.D.parameters(), lr=1e-4)
+    opt_g = torch.optim.SGD(gan.G.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    path = tmp_path / "gan.parquet"
+    skipped = []
+    with ampdoctor.GradScaler("cpu", model=gan, path=path, level="full", init_scale=2.0**10) as scaler:
+        for step in range(13):
+            watch.step = step
+            gan.D[2].factor = 1e8 if step in (6, 7) else 1.0
+            real = (1 + 0.1 * torch.randn(8, 16, generator=gen)) * (2e4 if step >= 8 else 1.0)
+            z = torch.randn(8, 8, generator=gen)
+            opt_d.zero_grad()
+            opt_g.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = gan.G(z)
+                loss_d = gan.D(fake.detach()).float().mean() - gan.D(real).float().mean()
+                loss_g = -gan.D(fake).float().mean()
+            scaler.scale(loss_d).backward()
+            scaler.scale(loss_g).backward()
+            before = scaler.get_scale()
+            scaler.step(opt_d)
+            scaler.step(opt_g)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+    # Ground truth from the test's own hooks.
+    first_steps, later_steps = sorted(watch.d2_made), sorted(watch.d0_own_overflow() - watch.d2_made)
+    assert first_steps == [6, 7] and later_steps == list(range(8, 13))
+    assert [s for s in range(13) if skipped[s]] == list(range(6, 13))
+
+    pm = ampdoctor.postmortem(path)
+    assert (pm["cause"], pm["event"]["kind"], pm["first_nonfinite_step"]) == ("backward_overflow", "skip_run", 6)
+    assert pm["origin"] == {"name": "D.2", "kind": "grad_output", "rank": 0, "step": first_steps[0]}
+    (later,) = pm["evidence"]["later_origins"]
+    assert (later["name"], later["kind"], later["first_step"], later["last_step"], later["count"]) == (
+        "D.0", "param_grad", later_steps[0], later_steps[-1], len(later_steps))
+    assert any("`D.2`" in a for a in pm["advice"]), pm["advice"]
+    # Every format says both; the report counts the same two origins.
+    text = pm.text()
+    assert "origin: D.2 (grad_output), step 6, rank 0" in text
+    assert "later origins: D.0 (param_grad), 5 steps from 8 to 12, rank 0" in text
+    assert "**later origins**: `D.0` (param\\_grad), 5 steps from 8 to 12, rank 0" in pm.markdown()
+    assert "<dt>later origins</dt><dd><code>D.0</code> (param_grad), 5 steps from 8 to 12, rank 0" in pm.html()
+    counted = {(o["name"], o["kind"]): (o["first_step"], o["last_step"])
+               for o in render.contract(report_data(path))["overflow_origins"]}
+    assert counted == {("D.2", "grad_output"): (6, 7), ("D.0", "param_grad"): (8, 12)}

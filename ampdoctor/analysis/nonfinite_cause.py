@@ -20,8 +20,9 @@
    when it is an inf, a NaN made from other modules' finite outputs, or a NaN after large
    activations (a module's output exceeded the format);
 5. for a run of skipped steps: ``scale_collapse`` when the scale fell below the floor (the
-   gradients overflow even unscaled), else ``backward_overflow``, with the most frequent overflow
-   origin of the run;
+   gradients overflow even unscaled), else ``backward_overflow``, with the overflow origin of the
+   run's first skipped step (of its first step that has one: the one that explains the event), and
+   the run's other origins, which later steps had (``evidence["later_origins"]``);
 6. ``unknown`` otherwise, saying which rows were missing.
 """
 
@@ -36,7 +37,8 @@ import pandas as pd
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .nonfinite_event import BEFORE_FIRST_STEP, BY_OUTSIDE, Event
-from .origins import find_origins, nonfinite_rows, origin_counts
+from .origins import (count_origins, entry_key, find_origins, named_origin, nonfinite_rows, origin_key,
+                      rows_at, source_call)
 from .run_analysis import Analysis
 
 CAUSES = ("forward_overflow", "backward_overflow", "nonfinite_input", "scale_collapse", "divergence",
@@ -82,17 +84,28 @@ def classify(a: Analysis, steps: pd.DataFrame, params: pd.DataFrame, event: Even
         return Diagnosis("divergence", origin or _origin(None, None, event.rank, event.step), evidence)
     if event.kind == "nonfinite_loss":
         return _forward_cause(a, rows, event, fmt, evidence, notes, big, params)
-    # 5. Repeated overflow with a finite loss.
+    # 5. Repeated overflow with a finite loss: the first skipped step's origin explains the event
+    # (the scale falls step by step, and later steps may overflow elsewhere, more often).
     run_steps = _skipped_run_steps(steps, event.step)
-    origins = origin_counts(a.run, run_steps[:RUN_ORIGIN_STEPS])
+    read = run_steps[:RUN_ORIGIN_STEPS]
+    per_step = find_origins(rows_at(a.run, read)) if read else []
+    origins = count_origins(per_step)
     evidence["skipped_steps"] = [int(s) for s in run_steps[:SKIPPED_STEPS_SHOWN]]
     evidence["min_scale"] = float(steps.loc[steps["step"].isin(run_steps), "scale"].min()) if len(run_steps) else None
+    first = next((o for o in map(named_origin, per_step) if o is not None), None)
     if origins:
         evidence["overflow_origins"] = origins[:ORIGINS_SHOWN]
     else:
         notes.append(Finding("skips_without_module_rows_to_name", {"recorded_full": a.recorded_full}))
-    top = origins[0] if origins else None
-    origin = (_origin(top["name"], top["kind"], top["rank"], top["first_step"]) if top
+    if first is not None:
+        later = sorted((e for e in origins if entry_key(e) != origin_key(first)),
+                       key=lambda e: (e["first_step"], -e["count"], e["name"]))
+        if later:
+            evidence["later_origins"] = later[:ORIGINS_SHOWN]
+        if first.step != event.step:
+            notes.append(Finding("origin_from_a_later_skipped_step", {
+                "first": event.step, "step": first.step, "recorded_full": a.recorded_full}))
+    origin = (_origin(first.name, first.kind, first.rank, first.step) if first is not None
               else _origin(None, None, event.rank, event.step))
     cause = "scale_collapse" if event.kind == "scale_collapse" else "backward_overflow"
     return Diagnosis(cause, origin, evidence)
@@ -172,7 +185,7 @@ def _batch_companions(outputs: pd.DataFrame, row: pd.Series) -> list[str] | None
     outputs of deeper modules was made by untapped code in between (an overflow in a matmul,
     ``inf - inf`` in a softmax): not the batch."""
     inputs = row["inputs"]
-    calls = [] if inputs is None else [int(c) for c in inputs]
+    calls = [] if inputs is None else [source_call(int(c)) for c in inputs]
     if not calls:
         return []
     same_rank = outputs[outputs["rank"] == row["rank"]]

@@ -9,11 +9,17 @@
   The first non-finite ``grad_output`` row is the gradient w.r.t. some call P's output; it was
   produced by the backward of P's consumer: the innermost tapped call that received P's returned
   tensor as an argument, or, when only P's enclosing module's own code used it, that enclosing
-  module. A non-finite parameter gradient whose module's output gradients were all finite (a
-  weight gradient that overflowed in its own reduction) is produced by its module's backward,
-  just after that module's output gradient arrived; whichever of the two came first wins.
-  Without module rows (``level="params"``) that order is unknown, so only a single non-finite
-  parameter gradient is named. A step with a non-finite loss gets no overflow origin: every gradient after it is a
+  module. A consumer that received it only through untapped code that computes (an autograd
+  Function called inline, ``x * s``; not a view, a reshape, ``x + y`` or a ReLU:
+  :data:`ampdoctor.call_graph.PASSES`) is not named alone: that code's backward may have made
+  the value, and it ran in an enclosing call, which is named instead (the innermost call
+  enclosing the consumer that encloses P or received P's output unchanged); the record cannot
+  tell the two apart, and that call contains both. A non-finite parameter gradient whose
+  module's output gradients were all finite, in every call (a weight gradient that overflowed in
+  its own reduction), is produced by its module's backward, just after that module's first
+  output gradient arrived; whichever of the two came first wins. Without module rows
+  (``level="params"``) that order is unknown, so only a single non-finite parameter gradient is
+  named. A step with a non-finite loss gets no overflow origin: every gradient after it is a
   consequence (its forward origin says where it came from).
 
 A step is *anomalous* when it was skipped, its loss was non-finite, or a gradient (parameter or
@@ -37,6 +43,13 @@ from ..schema import MODULE_KINDS, ROOT_NAME
 from ..run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
+
+
+def source_call(source: int) -> int:
+    """The call of an entry of a row's ``inputs``: a call whose returned tensor reached this one
+    only through untapped code that computes with it is stored as ``~call``
+    (:func:`ampdoctor.call_graph.through_untapped`)."""
+    return ~source if source < 0 else source
 
 
 @dataclass(frozen=True)
@@ -152,8 +165,13 @@ def _overflow_origin(step, rank, rows, modules, calls) -> Origin | None:
     if len(params):
         first_grad = grads.groupby("name")["order"].min() if len(grads) else pd.Series(dtype=float)
         module_names = set(modules["name"])
+        # A module with a non-finite output gradient (in any of its calls) got a non-finite
+        # parameter gradient from it: not an overflow of its own reduction.
+        received = set(bad_grads["name"])
         for pname in params["name"]:
             owner = _owner_module(pname, module_names)
+            if owner in received:
+                continue
             when = first_grad.get(owner, math.inf) + 0.5
             owner_call = calls.first_call(owner)
             candidates.append((when, Origin(
@@ -182,6 +200,7 @@ class _CallTable:
         self._name: dict[int, str] = {}
         self._parent: dict[int, int | None] = {}
         self._inputs: dict[int, tuple[int, ...]] = {}
+        self._through_code: dict[int, frozenset[int]] = {}  # inputs received through untapped code
         for call, name, parent, inputs in zip(modules["call"], modules["name"], modules["parent"],
                                               modules["inputs"]):
             if call is None or pd.isna(call):
@@ -189,7 +208,9 @@ class _CallTable:
             call = int(call)
             self._name[call] = name
             self._parent[call] = None if parent is None or pd.isna(parent) else int(parent)
-            self._inputs[call] = tuple(int(i) for i in inputs) if inputs is not None else ()
+            sources = [int(i) for i in inputs] if inputs is not None else []
+            self._inputs[call] = tuple(source_call(i) for i in sources)
+            self._through_code[call] = frozenset(~i for i in sources if i < 0)
         forward_calls = modules.loc[modules["kind"] == "output", ["name", "call"]].dropna()
         # Occurrences count the calls that ran forward (a reentrant checkpoint's recomputation
         # adds calls with gradient rows only).
@@ -234,7 +255,10 @@ class _CallTable:
             if ran:
                 # Several unrelated consumers (a tensor used twice): the one whose backward
                 # began last, i.e. whose output gradient arrived latest.
-                return max(ran, key=lambda c: (first_seen.get(c, -math.inf), -c))
+                consumer = max(ran, key=lambda c: (first_seen.get(c, -math.inf), -c))
+                if current in self._through_code.get(consumer, ()):
+                    return self._code_between(current, consumer)
+                return consumer
             if innermost:
                 current = min(innermost)
                 continue
@@ -246,6 +270,21 @@ class _CallTable:
             # The parent's output gradient came later: it returned this very tensor as its own,
             # so whoever consumed the parent's output produced the gradient.
             current = parent
+        return None
+
+    def _code_between(self, call: int, consumer: int) -> int | None:
+        """The call whose own code computed ``consumer``'s argument from ``call``'s output (an
+        inline Function, ``x * s``): that code's backward or ``consumer``'s made the gradient,
+        and the record cannot tell which. The innermost call enclosing ``consumer`` that also
+        encloses ``call`` or received its output unchanged encloses both; None when no tapped
+        call does (code outside every tapped module)."""
+        enclosing, seen = self._parent.get(consumer), set()
+        while enclosing is not None and enclosing not in seen:
+            seen.add(enclosing)
+            if self._is_ancestor(enclosing, call) or (
+                    call in self._inputs.get(enclosing, ()) and call not in self._through_code.get(enclosing, ())):
+                return enclosing
+            enclosing = self._parent.get(enclosing)
         return None
 
 
@@ -272,21 +311,48 @@ def rows_at(run: Run, steps) -> pd.DataFrame:
     return frame
 
 
-def origin_counts(run: Run, steps) -> list[dict]:
-    """The origins of the anomalous steps among ``steps``, counted per (module, kind, rank), most
-    frequent first: the overflow origin, or the forward origin when the loss was non-finite.
-    ``after``: for an origin outside the tapped modules, the module whose output gradient it
-    reached first (the code that consumed that output produced it); else None."""
+def named_origin(step: StepOrigins) -> Origin | None:
+    """What an anomalous step's origin counts as: its overflow origin, or its forward origin when
+    the loss was non-finite (or it has no overflow origin); None when neither is known."""
+    return step.overflow or step.forward
+
+
+def after_of(origin: Origin) -> str | None:
+    """For an origin outside the tapped modules, the module whose output gradient it reached
+    first (the code that consumed that output produced it); else None."""
+    return origin.tensor if origin.name == OUTSIDE else None
+
+
+def origin_key(origin: Origin) -> tuple:
+    """What makes two steps' origins the same entry of :func:`count_origins`."""
+    return origin.name, after_of(origin), origin.kind, origin.rank
+
+
+def entry_key(entry: dict) -> tuple:
+    """The :func:`origin_key` of an entry of :func:`count_origins`."""
+    return entry["name"], entry["after"], entry["kind"], entry["rank"]
+
+
+def count_origins(steps: list[StepOrigins]) -> list[dict]:
+    """The origins of anomalous steps counted per (module, ``after``, kind, rank), most frequent
+    first (then earliest, then name): each step counts its :func:`named_origin`."""
     counts: dict[tuple, dict] = {}
-    for step in find_origins(rows_at(run, steps)) if len(steps) else []:
-        origin = step.overflow or step.forward
+    for step in steps:
+        origin = named_origin(step)
         if origin is None:
             continue
-        after = origin.tensor if origin.name == OUTSIDE else None
-        entry = counts.setdefault((origin.name, after, origin.kind, origin.rank), {
-            "name": origin.name, "after": after, "kind": origin.kind, "rank": origin.rank, "count": 0,
+        entry = counts.setdefault(origin_key(origin), {
+            "name": origin.name, "after": after_of(origin), "kind": origin.kind, "rank": origin.rank, "count": 0,
             "first_step": origin.step, "last_step": origin.step})
         entry["count"] += 1
         entry["first_step"] = min(entry["first_step"], origin.step)
         entry["last_step"] = max(entry["last_step"], origin.step)
     return sorted(counts.values(), key=lambda e: (-e["count"], e["first_step"], e["name"]))
+
+
+def origin_counts(run: Run, steps) -> list[dict]:
+    """The origins of the anomalous steps among ``steps`` (:func:`count_origins`), read from the
+    run: the overflow origin, or the forward origin when the loss was non-finite. ``after``: for
+    an origin outside the tapped modules, the module whose output gradient it reached first;
+    else None."""
+    return count_origins(find_origins(rows_at(run, steps)) if len(steps) else [])

@@ -57,6 +57,14 @@ def origin_name(origin: dict) -> str:
     return f"{name[:-1]}, after {after})" if after and name.startswith("(") else name
 
 
+def origin_steps(entry: dict) -> str:
+    """When a counted origin (an ``overflow_origins`` entry) was seen, and where: ``step 8, rank
+    0`` or ``5 steps from 8 to 12, rank 0``."""
+    first, last, count = entry.get("first_step"), entry.get("last_step"), entry.get("count")
+    when = f"step {first}" if first == last else f"{count} steps from {first} to {last}"
+    return f"{when}, rank {entry.get('rank')}"
+
+
 def scale_str(x: float | None) -> str:
     """A loss scale: ``2**k`` when it is an exact power of two (as scales usually are), else ``%g``."""
     if _missing(x):

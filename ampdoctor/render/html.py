@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import charts, sections
-from .formatting import VERDICTS, binades, code_spans, number, origin_name, percent, scale_str
+from .formatting import VERDICTS, binades, code_spans, number, origin_name, origin_steps, percent, scale_str
 from .sections import Section
 
 if TYPE_CHECKING:
@@ -302,6 +302,11 @@ def postmortem_html(pm: dict) -> str:
     if origin.get("name"):
         items.append(("origin", f"<code>{escaped(origin['name'])}</code> ({escaped(origin.get('kind'))}), step "
                                 f"{escaped(origin.get('step'))}, rank {escaped(origin.get('rank'))}"))
+    later = (pm.get("evidence") or {}).get("later_origins") or []
+    if later:
+        items.append(("later origins", "; ".join(
+            f"<code>{escaped(origin_name(o))}</code> ({escaped(o.get('kind'))}), {escaped(origin_steps(o))}"
+            for o in later)))
     timeline = pm.get("timeline") or []
     rows = [[escaped(c) for c in sections.timeline_cells(r)]
             + [f"<code>{escaped(r['max_activation_module'])}</code>" if r["max_activation_module"] else "—"]

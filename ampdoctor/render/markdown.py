@@ -9,7 +9,8 @@ import re
 from collections.abc import Iterable, Sequence
 
 from . import sections
-from .formatting import VERDICTS, binades, code_spans, number, origin_name, percent, scale_str, setting, underflow
+from .formatting import (VERDICTS, binades, code_spans, number, origin_name, origin_steps, percent, scale_str,
+                         setting, underflow)
 from .sections import REPLAY_KEYS, SCALER_KEYS, Section
 
 # CommonMark lets a backslash escape any ASCII punctuation; these are the ones that can start
@@ -281,6 +282,11 @@ def postmortem_markdown(pm: dict) -> str:
     if origin.get("name"):
         out.append(f"- **origin**: {code_span(origin['name'], in_table=False)} ({_inline(origin.get('kind'))}), "
                    f"step {_inline(origin.get('step'))}, rank {_inline(origin.get('rank'))}")
+    later = (pm.get("evidence") or {}).get("later_origins") or []
+    if later:
+        out.append("- **later origins**: " + "; ".join(
+            f"{code_span(origin_name(o), in_table=False)} ({_inline(o.get('kind'))}), {_inline(origin_steps(o))}"
+            for o in later))
     out.append("")
     if pm.get("advice"):  # the answer before the evidence, as in the HTML page
         out += ["## What to change", ""] + [f"{i}. {escaped_text(a)}" for i, a in enumerate(pm["advice"], 1)] + [""]

@@ -5,7 +5,16 @@ from __future__ import annotations
 import shlex
 
 from . import sections
-from .formatting import VERDICTS, binades, number, origin_name, percent, scale_str, setting, shorten, underflow
+from .formatting import (VERDICTS, binades, number, origin_name, origin_steps, percent, scale_str, setting, shorten,
+                         underflow)
+
+
+def _ended(info: dict) -> str:
+    if info["ended_cleanly"]:
+        return "cleanly"
+    if info.get("unwritten_at_exit"):
+        return f"at exit, {info['unwritten_at_exit']} step(s) not written (the writer was behind)"
+    return "without close() (killed or still running)"
 
 
 def _size(n: int) -> str:
@@ -35,7 +44,7 @@ def info_text(info: dict) -> str:
         f"tensors    {info['tensors']}",
         f"rows       {info['rows']} ({kinds})",
         f"on disk    {_size(info['size_bytes'])} in {info['segments']} segment(s)",
-        f"ended      {'cleanly' if info['ended_cleanly'] else 'without close() (killed or still running)'}",
+        f"ended      {_ended(info)}",
     ]
     lines += [f"warning    {w}" for w in info["warnings"]]
     return "\n".join(lines)
@@ -208,6 +217,9 @@ def postmortem_text(pm: dict, color: bool = False) -> str:
     out += _wrap(pm["event"]["description"], "event: ")
     if origin.get("name"):
         out.append(f"origin: {origin['name']} ({origin['kind']}), step {origin['step']}, rank {origin['rank']}")
+    later = pm["evidence"].get("later_origins") or []
+    if later:
+        out += _wrap("; ".join(f"{origin_name(o)} ({o['kind']}), {origin_steps(o)}" for o in later), "later origins: ")
     if pm["timeline"]:
         out += ["", _heading("Steps before the event", color),
                 f"  {'step':>7} {'scale':>9} {'skip':>5} {'loss':>10} {'grad norm':>10} "

@@ -57,6 +57,13 @@ def skips_without_module_rows_to_name(recorded_full):
 
 
 @register
+def origin_from_a_later_skipped_step(first, step, recorded_full):
+    before = f"step {first} has" if step == first + 1 else f"steps {first} to {step - 1} have"
+    return (f"the origin is from step {step}: {before} no module rows that name one, so where the first "
+            f"skipped step overflowed is not known; to record it, {to_record_modules(recorded_full)}")
+
+
+@register
 def no_step_row_at_event(step):
     return (f"step {step} has no step row (training stopped between step() and update()), so its gradients are "
             f"unknown; the check at exit saw the parameters its optimizer left")
