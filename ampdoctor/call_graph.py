@@ -65,7 +65,9 @@ PASSES = frozenset({
     "ReluBackward0", "ThresholdBackward0", "HardtanhBackward0", "TanhBackward0", "SigmoidBackward0",
     "HardsigmoidBackward0", "SoftplusBackward0",
 })
-# Nodes that pass the gradient on times a saved factor: they pass when it is at most 1 in magnitude.
+# Nodes that pass the gradient on times a saved factor: they pass when it is at most 1 in magnitude
+# and their inputs have their output's dtype (the engine casts each input's gradient to that
+# input's dtype: fp32 residual + fp16 branch hands the branch a float32 gradient cast to fp16).
 SCALED_PASSES = {"AddBackward0": "_saved_alpha", "SubBackward0": "_saved_alpha", "RsubBackward0": "_saved_alpha",
                  "RsubBackward1": "_saved_alpha", "LeakyReluBackward0": "_saved_negative_slope"}
 _passing: dict[type, bool | str] = {}  # node type -> passes, or the name of its factor (one store per key: no lock)
@@ -92,8 +94,20 @@ def _passes(node) -> bool:
         passes = _passing[kind] = SCALED_PASSES.get(name, name in PASSES)
     if passes is True or passes is False:
         return passes
-    factor = getattr(node, passes, None)  # (a Python number: no sync)
-    return type(factor) in _NUMBERS and -1 <= factor <= 1
+    return _scaled_passes(node, passes)
+
+
+def _scaled_passes(node, factor_name: str) -> bool:
+    """Whether a node of :data:`SCALED_PASSES` passes: its factor (a Python number: no sync) is
+    at most 1 in magnitude and no input's gradient is cast to another dtype."""
+    factor = getattr(node, factor_name, None)
+    if type(factor) not in _NUMBERS or not -1 <= factor <= 1:
+        return False
+    try:
+        dtype = node._input_metadata[0].dtype
+        return all(nxt is None or nxt._input_metadata[i].dtype == dtype for nxt, i in node.next_functions)
+    except (AttributeError, IndexError):  # (a torch without the metadata: counted as computing)
+        return False
 
 
 class ModuleCall(NamedTuple):
@@ -241,8 +255,7 @@ class CallGraph:
                     elif passes is False:
                         computed = True
                     else:
-                        factor = getattr(current, passes, None)
-                        computed = not (type(factor) in _NUMBERS and -1 <= factor <= 1)
+                        computed = not _scaled_passes(current, passes)
             for nxt, _ in current.next_functions:
                 if nxt is not None:
                     key = id(nxt)

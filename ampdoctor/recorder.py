@@ -188,9 +188,9 @@ class Recorder:
 
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> None:
         """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies:
-        the device's queued work) and then for the writer thread, at most
-        :data:`~ampdoctor.writer.CLOSE_TIMEOUT` (5 s); with ``timeout``, at most that in all:
-        host-side waits only, after training. ``at_exit``: the interpreter
+        the device's queued work) and then for the writer thread while it makes progress, at most
+        :data:`~ampdoctor.writer.CLOSE_TIMEOUT` (5 s) after its last (``RunWriter.close``); with
+        ``timeout``, at most that in all: host-side waits only, after training. ``at_exit``: the interpreter
         is exiting; the final parameter check runs only if this is still its scaler's recorder
         (an abandoned scaler's run must not describe parameters that another scaler went on
         training), and the writer counts what it cannot write in time (writer.py)."""

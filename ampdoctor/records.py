@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ class TapObservation:
 
 @dataclass
 class StepRecord:
+    is_step: ClassVar[bool] = True  # the writer counts these when it cannot write them at exit
     step: int
     rank: int
     per_tensor: bool

@@ -81,20 +81,20 @@ class Run:
     @property
     def unwritten_at_exit(self) -> int:
         """Steps queued but not written because their process ended before its writer took them
-        (the exit's deadline: a slow disk), over all writers' final segments."""
+        (the exit's deadline: a slow disk), over all writers' final segments. Such a run ended
+        (:attr:`ended_cleanly` says whether every writer wrote its final segment) but lacks them:
+        its warnings say so."""
         total = 0
         for seg in self.segments:
             if seg.metadata.get(META_FINAL) == "true":
-                try:
-                    total += int(seg.metadata.get(META_UNWRITTEN_AT_EXIT) or 0)
-                except ValueError:
-                    continue
+                count = meta_number(seg.metadata.get(META_UNWRITTEN_AT_EXIT))
+                total += int(count) if count is not None and count >= 0 else 0
         return total
 
     @property
     def ended_cleanly(self) -> bool:
-        """Every writer wrote its final segment, and with every step it was given."""
-        return all(self.writers.values()) and not self.unwritten_at_exit
+        """Every writer wrote its final segment (``close()`` or the exit handler finished it)."""
+        return all(self.writers.values())
 
     @property
     def size_bytes(self) -> int:

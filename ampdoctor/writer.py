@@ -31,9 +31,8 @@ queue's mutex, held by the interrupted ``put``: the process hung for the whole t
   queue is full or the disk hangs; the signal path (:func:`close_all_writers` with
   ``from_signal``) takes no lock and makes no queue operation but a ``deque`` attribute read;
 * at exit (interpreter exit, SIGTERM) the worker is told the deadline: past 60% of it, it stops
-  turning records into rows, counts those left as not written (``record.unwritten_at_exit`` of
-  its final segment: readers report them and say the run did not end cleanly), and writes what it
-  holds; a worker stuck in a write
+  turning records into rows, counts the steps left as not written (``record.unwritten_at_exit``
+  of its final segment: readers report them), and writes what it holds; a worker stuck in a write
   (a stalled disk) is left behind, and the run has no final segment (readers say it did not end
   cleanly);
 * a worker thread that died (not through a failure it caught) is noticed at the next ``put``,
@@ -94,8 +93,10 @@ class _Sync(_Marker):
 
 class _Doorbell:
     """Wakes the worker before its next poll, without a lock: a byte down a non-blocking socket
-    pair. Ringing never blocks (a full buffer means it rang already) and never raises; the
-    sockets close when the writer is collected, never while a thread may still ring them."""
+    pair. Ringing never blocks (a full buffer means it rang already) and never raises; the worker
+    closes its end when it ends, ``close()`` the other once the worker has ended (a closed Python
+    socket refuses to send rather than write to a reused descriptor), and an abandoned writer's
+    close with it."""
 
     def __init__(self) -> None:
         try:
@@ -111,6 +112,16 @@ class _Doorbell:
                 self._sender.send(b"\0")
             except OSError:
                 pass
+
+    def close_receiver(self) -> None:
+        """The worker is done: nothing waits on the bell any more (a ring then fails, quietly)."""
+        if self._receiver is not None:
+            self._receiver.close()
+
+    def close(self) -> None:
+        """Nobody rings any more (the worker has ended and the writer is closed)."""
+        if self._sender is not None:
+            self._sender.close()
 
     def wait(self, timeout: float) -> None:
         """Until rung or ``timeout`` seconds (worker side)."""
@@ -208,7 +219,8 @@ class RunWriter:
         self._sync: _Sync | None = None  # the last sync's, while pending
         self._flush_request: _Marker | None = None  # done once flushed (signal path)
         self._give_up_at: float | None = None  # at exit: past this, records left are counted, not written
-        self.unwritten = 0         # records counted at exit instead of written
+        self.unwritten = 0         # step records counted at exit instead of written
+        self._progress_at = time.monotonic()  # when the worker last took an item (close() waits while it moves)
         self._flush_countdown: int | None = None  # records to take before serving it
         self._pid = os.getpid()    # a forked child inherits this object, not its thread
         self._close_lock = threading.Lock()
@@ -270,25 +282,32 @@ class RunWriter:
         return marker.wait(SYNC_TIMEOUT if timeout is None else timeout, self._thread)
 
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> bool:
-        """Write the last segment and stop the worker. Idempotent. Waits at most ``timeout``
-        (:data:`CLOSE_TIMEOUT`) seconds; False if the worker did not finish in time (it goes on
-        in the background while the process lives). ``at_exit``: the process is ending, so the
-        worker stops turning records into rows past 60% of ``timeout``, counts those left and
-        writes what it holds (a stalled disk: the last segment is lost)."""
-        timeout = CLOSE_TIMEOUT if timeout is None else timeout
+        """Write the last segment and stop the worker. Idempotent. Without ``timeout`` (a
+        program's own ``close()``) it waits while the worker makes progress and returns once
+        the worker has made none for :data:`CLOSE_TIMEOUT` seconds (a stalled disk), so a slow
+        but working disk still gets every step; with ``timeout``, at most that. False if the
+        worker did not finish (it goes on in the background while the process lives).
+        ``at_exit``: the process is ending, so the worker stops turning records into rows past
+        60% of ``timeout``, counts the steps left and writes what it holds (a stalled disk: the
+        last segment is lost)."""
         if at_exit:
-            self._give_up(timeout)
+            self._give_up(CLOSE_TIMEOUT if timeout is None else timeout)
         with self._close_lock:
             first, self._closed = not self._closed, True
         if first:
             self._closing = True
             self._queue.append(_CLOSE)  # (past the bound: the sentinel is never dropped)
             self._wake.ring()
-        self._thread.join(timeout)
+        if timeout is not None:
+            self._thread.join(timeout)
+        else:
+            while self._thread.is_alive() and time.monotonic() - self._progress_at < CLOSE_TIMEOUT:
+                self._thread.join(min(0.1, CLOSE_TIMEOUT))
         finished = not self._thread.is_alive()
         if finished:  # one still writing stays registered: the exit handler gives it its time
             with _open_lock:
                 _open_writers.discard(self)
+            self._wake.close()
         return finished
 
     def _answers(self) -> bool:
@@ -325,22 +344,33 @@ class RunWriter:
         batches, so that it takes the GIL from the training thread a few times a second, not at
         every step."""
         self._serve_flush_request(drained=False)
+        # A close is read *before* the queue: whatever was queued before it was asked is then
+        # taken first (read after, a record put just before close() could be left behind).
+        closing = self._closing
         try:
             return self._queue.popleft()
         except IndexError:
             pass
         self._serve_flush_request(drained=True)
-        if self._closing:
-            return _CLOSE  # the signal path asks without a sentinel
+        if closing:
+            return _CLOSE  # (the signal path asks without a sentinel)
         self._wake.wait(max(0.01, min(POLL_SECONDS, self._flush_seconds - (time.monotonic() - self._last_flush))))
+        closing = self._closing
         try:
             return self._queue.popleft()
         except IndexError:  # drained: a close requested without the sentinel, or the timer
             due = self._pending.rows and time.monotonic() - self._last_flush >= self._flush_seconds
-            return _CLOSE if self._closing else (_FLUSH if due else None)
+            return _CLOSE if closing else (_FLUSH if due else None)
 
     def _work(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._wake.close_receiver()
+
+    def _serve(self) -> None:
         while True:
+            self._progress_at = time.monotonic()
             item = self._next()
             if item is _CLOSE:
                 self._guarded(lambda: self._write_segment(final=True))
@@ -354,7 +384,7 @@ class RunWriter:
             if self._error is not None or item is None:
                 continue  # failed: drain and drop until the sentinel
             if item is not _FLUSH and self._give_up_at is not None and time.monotonic() >= self._give_up_at:
-                self.unwritten += 1  # the process is ending: counted, and the final segment says so
+                self.unwritten += bool(getattr(item, "is_step", False))  # the process is ending: the final segment says so
                 continue
             if item is _FLUSH:
                 self._guarded(lambda: self._write_segment(final=False))

@@ -146,12 +146,12 @@ class Total(nn.Module):
 class Routes(nn.Module):
     """``a``'s output reaches each consumer another way: unchanged, through views, through code
     that passes gradients on (tanh, ReLU, a residual add), and through code that computes with
-    it (``* 3``, an autograd Function, a cast, ``expand``)."""
+    it (``* 3``, an autograd Function, a cast, ``expand``, an addition of another dtype)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(16, 16)
-        self.names = ["same", "view", "passes", "scaled", "function", "cast", "expand", "mixed"]
+        self.names = ["same", "view", "passes", "scaled", "function", "cast", "expand", "mixed", "dtypes"]
         for name in self.names:
             setattr(self, name, Total())
 
@@ -166,7 +166,9 @@ class Routes(nn.Module):
                 self.function(Amplify.apply(h, 1.0)),
                 self.cast(h.double()),
                 self.expand(h[:1].expand(4, -1)),
-                self.mixed(h + h * 3)]  # unchanged on one path, computed on the other
+                self.mixed(h + h * 3),  # unchanged on one path, computed on the other
+                # a residual add of another dtype: the engine casts h's gradient from float64
+                self.dtypes(h + x.double())]
         return sum(outs)
 
 
@@ -185,7 +187,7 @@ def test_inputs_say_whether_untapped_code_computed_with_the_tensor():
     direct, computed = (a,), (~a,)
     assert {name: calls[name].inputs for name in model.names} == {
         "same": direct, "view": direct, "passes": direct, "scaled": computed, "function": computed,
-        "cast": computed, "expand": computed, "mixed": computed}
+        "cast": computed, "expand": computed, "mixed": computed, "dtypes": computed}
 
 
 def test_a_static_model_makes_no_new_call_objects_after_its_first_step():

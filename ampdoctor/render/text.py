@@ -10,11 +10,11 @@ from .formatting import (VERDICTS, binades, number, origin_name, origin_steps, p
 
 
 def _ended(info: dict) -> str:
-    if info["ended_cleanly"]:
-        return "cleanly"
+    if not info["ended_cleanly"]:
+        return "without close() (killed or still running)"
     if info.get("unwritten_at_exit"):
-        return f"at exit, {info['unwritten_at_exit']} step(s) not written (the writer was behind)"
-    return "without close() (killed or still running)"
+        return f"at exit, without {info['unwritten_at_exit']} step(s) it could not write in time (a slow disk)"
+    return "cleanly"
 
 
 def _size(n: int) -> str:
