@@ -1,0 +1,140 @@
+"""Ground truth for FP8 readiness (issue 29), measured independently of ampdoctor: the operands of
+every GEMM layer captured with this module's own hooks, cast to ``torch.float8_e4m3fn`` /
+``torch.float8_e5m2`` under each scaling recipe, and their flushed and saturated elements counted.
+
+Operands (what TransformerEngine and torchao's float8 convert, per GEMM layer): the input activation
+and the weight in E4M3, the output gradient in E5M2 (``HYBRID``) or E4M3 (all-E4M3). GEMM layers:
+``nn.Linear`` and, for GPT-2, transformers' ``Conv1D`` (a linear layer stored transposed); ``nn.Conv2d``
+where a recipe would cover it (neither library converts convolutions today).
+
+The cast is the libraries' (TE, torchao): ``(x.float() * scale).clamp(-max, max).to(dtype)``, never a
+plain ``.to()`` (torch before 2.12 gives NaN above 464 in e4m3fn; e5m2 gives inf on every version).
+An element is *flushed* when it is nonzero and its cast is 0; *saturated* when ``|x|`` exceeds the
+amax the scale was made from (``|x| * scale`` beyond the maximum: the clamp cuts it; counted on ``|x|``,
+since the amax element itself may land one float32 step above the maximum once scaled, which the
+cast rounds back to it).
+
+Recipes, with ``a_t`` the operand's amax at step ``t`` (one forward/backward pass):
+* current (tensorwise dynamic): ``scale_t = max / a_t`` (1 when ``a_t`` is 0): never saturates;
+* delayed with history ``L`` (TransformerEngine's ``DelayedScaling``, margin 0, ``"max"``):
+  ``scale_t = max / max(a_{t-L} .. a_{t-1})`` for ``t >= 1`` and ``scale_0 = 1``; a history whose
+  maximum is 0 (or not finite) keeps the previous scale. Step ``t`` clips iff ``a_t`` exceeds the
+  amax its scale was made from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+OPERANDS = ("input", "weight", "grad_output")
+
+
+@dataclass
+class Cast:
+    """One operand of one layer at one step under one recipe: ``flushed`` and ``saturated`` of
+    ``nonzero`` elements; ``clipped``: the step's amax exceeded what its scale allowed."""
+
+    flushed: int
+    saturated: int
+    nonzero: int
+    clipped: bool
+
+    @property
+    def flushed_share(self) -> float:
+        return self.flushed / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.nonzero if self.nonzero else 0.0
+
+
+def gemm_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers an FP8 recipe would convert, by qualified name."""
+    kinds: tuple[type, ...] = (nn.Linear, nn.Conv2d)
+    try:
+        from transformers.pytorch_utils import Conv1D
+        kinds += (Conv1D,)
+    except ImportError:  # pragma: no cover
+        pass
+    return {name: m for name, m in model.named_modules() if isinstance(m, kinds)}
+
+
+class OperandCapture:
+    """Captures, per GEMM layer, the input activation, the weight and the output gradient of each
+    call (float32 copies, detached), with hooks of its own; ``remove()`` in ``finally``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.operands: dict[str, dict[str, list[torch.Tensor]]] = {}
+        self._handles = []
+        for name, layer in gemm_layers(model).items():
+            slots = self.operands.setdefault(name, {k: [] for k in OPERANDS})
+            self._handles.append(layer.register_forward_hook(self._hook(slots)))
+
+    @staticmethod
+    def _hook(slots):
+        def hook(module, args, output):
+            slots["input"].append(args[0].detach().float().clone())
+            slots["weight"].append(module.weight.detach().float().clone())
+            if output.requires_grad:
+                output.register_hook(lambda g: slots["grad_output"].append(g.detach().float().clone()))
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def amax(x: torch.Tensor) -> float:
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, scale: float, allowed: float) -> Cast:
+    """``x`` cast to ``dtype`` with ``scale`` as the libraries cast it; ``allowed``: the amax the
+    scale was made from (the format's maximum for a scale of 1)."""
+    fmax = MAX[dtype]
+    x = x.float()
+    y = (x * torch.tensor(scale, dtype=torch.float32)).clamp(-fmax, fmax).to(dtype).float()
+    nonzero = x != 0
+    return Cast(flushed=int((nonzero & (y == 0)).sum()), saturated=int((x.abs() > allowed).sum()),
+                nonzero=int(nonzero.sum()), clipped=amax(x) > allowed)
+
+
+def current_scaling(steps: list[torch.Tensor], dtype: torch.dtype) -> list[Cast]:
+    """Each step's cast with the scale made from its own amax (torchao's dynamic scaling, TE's
+    ``Float8CurrentScaling``)."""
+    fmax = MAX[dtype]
+    out = []
+    for x in steps:
+        a = amax(x)
+        out.append(cast(x, dtype, _scale(fmax, a), a) if a > 0 else cast(x, dtype, 1.0, fmax))
+    return out
+
+
+def delayed_scaling(steps: list[torch.Tensor], dtype: torch.dtype, history: int) -> list[Cast]:
+    """Each step's cast with TransformerEngine's delayed scale: from the maximum of the previous
+    ``history`` steps' amaxes (1 at the first step; kept when that maximum is 0 or not finite)."""
+    fmax = MAX[dtype]
+    amaxes: list[float] = []
+    scale, allowed = 1.0, fmax
+    out = []
+    for x in steps:
+        if amaxes:
+            window = max(amaxes[-history:])
+            if window > 0 and math.isfinite(window):
+                scale, allowed = _scale(fmax, window), window
+        out.append(cast(x, dtype, scale, allowed))
+        amaxes.append(amax(x))
+    return out
+
+
+def _scale(fmax: float, a: float) -> float:
+    """``fmax / a`` in float32, as both libraries compute it (float32 overflow: its maximum)."""
+    s = torch.tensor(fmax, dtype=torch.float32) / torch.tensor(a, dtype=torch.float32)
+    return float(s) if math.isfinite(float(s)) else float(torch.finfo(torch.float32).max)
