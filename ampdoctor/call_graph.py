@@ -15,7 +15,8 @@ is ten nodes from ``qkv``'s output), and it is needed for only a few calls per b
 
 Passed on or computed. A call whose returned tensor reached this one only after untapped code
 computed with it (an autograd Function called inline, ``x * s``, a matmul, a cast) is stored as
-``~call`` (``-1 - call``, :func:`through_untapped`): a non-finite gradient w.r.t. that call's
+``~call`` (``-1 - call``, :func:`through_untapped`; the run file lists such calls in ``inputs``
+and again in ``computed_inputs``): a non-finite gradient w.r.t. that call's
 output may then have been made by that code's backward, which ran in an enclosing call, not in this
 call's. Untapped nodes whose backward cannot make a finite gradient non-finite (:data:`PASSES`:
 views, reshapes, transposes, slices, splits, copies, ``x + y``, ReLU, tanh, sigmoid: each element
@@ -76,8 +77,9 @@ _Tensor = torch.Tensor
 
 
 def through_untapped(source: int) -> bool:
-    """Whether an entry of ``inputs`` is a call whose returned tensor was received only after
-    untapped operations computed with it (stored as ``~call``); ``~source`` is then the call."""
+    """Whether an entry of :attr:`ModuleCall.inputs` is a call whose returned tensor was received
+    only after untapped operations computed with it (held as ``~call``; the run file has it in
+    ``computed_inputs``, rows.py); ``~source`` is then the call."""
     return source < 0
 
 

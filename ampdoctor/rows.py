@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .call_graph import through_untapped
 from .formats import float_format
 from .light_taps import observations
 from .records import (FlightRecord, FlightStep, ParamCheck, ParamRecord, StepRecord, StepScalars, TapObservation,
@@ -99,7 +100,8 @@ class _StepColumns:
     def block(self, labels: _Labels, stats: dict[str, np.ndarray], *, losses: list | None = None,
               taps: list[TapObservation] | None = None, measured: list[int] | None = None) -> Block:
         """One block of rows with every column of the schema; ``taps`` give the module rows'
-        call structure (``order``, ``call``, ``parent``, ``inputs``), null on other rows;
+        call structure (``order``, ``call``, ``parent``, ``inputs``, ``computed_inputs``), null on
+        other rows;
         ``measured`` each row's measured underflow (-1 or None: not measured, null)."""
         n = len(labels.kinds)
         return {
@@ -117,7 +119,11 @@ class _StepColumns:
             "n_underflow": _objects(n, None if measured is None else [None if v < 0 else v for v in measured]),
             "call": _objects(n, None if taps is None else [t.call.call for t in taps]),
             "parent": _objects(n, None if taps is None else [t.call.parent for t in taps]),
-            "inputs": _objects(n, None if taps is None else [list(t.call.inputs) for t in taps]),
+            # (the call graph marks an input reached through computing code as ~call: two columns here)
+            "inputs": _objects(n, None if taps is None else [[~i if through_untapped(i) else i for i in t.call.inputs]
+                                                              for t in taps]),
+            "computed_inputs": _objects(n, None if taps is None else [
+                [~i for i in t.call.inputs if through_untapped(i)] for t in taps]),
         }, n
 
 

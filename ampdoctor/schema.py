@@ -117,6 +117,10 @@ def run_schema(metadata: dict[str, str] | None = None) -> pa.Schema:
         pa.field("call", pa.int32()),
         pa.field("parent", pa.int32()),
         pa.field("inputs", pa.list_(pa.int32())),
+        # Module rows: those of `inputs` received only after untapped code computed with them (not
+        # call_graph.PASSES: an inline autograd Function, `x * s`, a cast). Null on other rows and
+        # in runs written before it existed (nothing known: every input counts as passed on).
+        pa.field("computed_inputs", pa.list_(pa.int32())),
     ]
     return pa.schema(fields, metadata=metadata)
 

@@ -30,6 +30,7 @@ EXIT_TIMEOUT = EXIT_SECONDS  # seconds the exit may take in all: a hung disk mus
 
 _open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
 _sigterm_installed = False
+_exit_deadline: float | None = None  # set when the exit handler starts: a SIGTERM then gets what is left
 
 
 def opened(recorder: "Recorder") -> None:
@@ -47,7 +48,8 @@ def _at_exit() -> None:
     """At interpreter exit (training is over, also after an exception): finish every open run,
     recorders first, then writers left without one. Never raises: one run's failure (even with
     ``strict=True``) must not keep the others from closing."""
-    deadline = time.monotonic() + EXIT_TIMEOUT
+    global _exit_deadline
+    deadline = _exit_deadline = time.monotonic() + EXIT_TIMEOUT
     for recorder in list(_open_recorders):
         try:
             recorder.close(max(0.0, deadline - time.monotonic()), at_exit=True)
@@ -69,7 +71,9 @@ def _install_sigterm_handler() -> None:
         # that handles SIGTERM itself may train on: its runs are flushed, not finished (exit or
         # close() finishes them); otherwise the default action ends the process: finish them.
         dies = not callable(previous) and previous != signal.SIG_IGN
-        close_all_writers(from_signal=True, timeout=EXIT_TIMEOUT, finish=dies)
+        # (during the exit handler: what is left of its bound, not a second one)
+        left = EXIT_TIMEOUT if _exit_deadline is None else max(0.0, _exit_deadline - time.monotonic())
+        close_all_writers(from_signal=True, timeout=left, finish=dies)
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:

@@ -61,7 +61,8 @@ def segment_columns(steps: int, params: int, every: int, seed: int = 0) -> Colum
                  "numel": rng.integers(1_000, 3_000_000, n), "scale": np.full(n, 65536.0, np.float32),
                  "skipped": np.zeros(n, bool), "loss": np.array([2.0] + [None] * params, dtype=object),
                  "amax": np.exp2(centre).astype(np.float32), "l2": np.exp2(centre + 5).astype(np.float32),
-                 "call": none, "parent": none, "inputs": none, "n_underflow": none, **stats}
+                 "call": none, "parent": none, "inputs": none, "computed_inputs": none, "n_underflow": none,
+                 **stats}
         cols.append(block, n)
     return cols
 

@@ -180,6 +180,8 @@ EXIT = textwrap.dedent("""
     if how == "close":
         scaler.close()
         print("closed", time.monotonic(), flush=True)
+    elif how == "sigterm-at-exit":
+        pass  # the test sends SIGTERM while the exit handler waits for the hung writer
     elif how in ("sigterm", "sigint"):
         try:
             while True:  # training goes on until the signal
@@ -270,6 +272,25 @@ def _check_exits(procs, bound):
         # Seen from outside, the interpreter's own teardown of torch (a second or two on a
         # loaded 2-core machine) comes on top.
         assert wall < bound + 4.0, (how, queued, wall)
+
+
+def test_a_sigterm_during_the_exit_handler_gets_what_is_left_of_its_bound(tmp_path):
+    """The interpreter is exiting, its handler waits for a hung writer, and SIGTERM arrives (a
+    cluster's grace period): the signal's handler takes what is left of the exit's bound, not a
+    second one, then the default action ends the process."""
+    bound = 4.0
+    proc, _ = _exit_case(tmp_path, "sigterm-at-exit", "full", bound=bound)
+    with _killed_at_the_end([proc]):
+        assert proc.stdout.readline().startswith("ready")
+        assert proc.stdout.readline().startswith("exiting")
+        time.sleep(3.0)  # inside the exit handler now (it waits up to the bound)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        after_signal = time.monotonic() - start
+    assert proc.returncode == -signal.SIGTERM, proc.stderr.read()
+    # what was left of the bound (about 1 s), plus the teardown: not a fresh 4 s on top
+    assert after_signal < bound - 3.0 + 1.5, after_signal
 
 
 def test_the_documented_exit_bound_holds_with_a_stalled_disk(tmp_path):

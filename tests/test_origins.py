@@ -397,6 +397,10 @@ def test_function_called_inline_in_a_block_is_named_by_the_block(kind, run_path)
     assert not nonfinite_rows(rows(frame, K, "grad_output", "block.b")).any()
     into_a = rows(frame, K, "grad_output", "block.a")
     assert into_a.dtype.iloc[0] == "float16" and into_a.n_inf.iloc[0] > 0
+    # The record: b received a's output through the Function (computed), not unchanged.
+    b = rows(frame, K, "output", "block.b").iloc[0]
+    a_call = call_of(frame, K, "block.a")
+    assert list(b["inputs"]) == [a_call] and list(b["computed_inputs"]) == [a_call]
     report = contract(report_data(run_path))
     (origin,) = report["overflow_origins"]
     assert (origin["name"], origin["kind"], origin["first_step"]) == ("block", "grad_output", K)

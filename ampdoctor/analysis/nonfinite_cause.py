@@ -37,8 +37,7 @@ import pandas as pd
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .nonfinite_event import BEFORE_FIRST_STEP, BY_OUTSIDE, Event
-from .origins import (count_origins, entry_key, find_origins, named_origin, nonfinite_rows, origin_key,
-                      rows_at, source_call)
+from .origins import count_origins, entry_key, find_origins, named_origin, nonfinite_rows, origin_key, rows_at
 from .run_analysis import Analysis
 
 CAUSES = ("forward_overflow", "backward_overflow", "nonfinite_input", "scale_collapse", "divergence",
@@ -185,7 +184,7 @@ def _batch_companions(outputs: pd.DataFrame, row: pd.Series) -> list[str] | None
     outputs of deeper modules was made by untapped code in between (an overflow in a matmul,
     ``inf - inf`` in a softmax): not the batch."""
     inputs = row["inputs"]
-    calls = [] if inputs is None else [source_call(int(c)) for c in inputs]
+    calls = [] if inputs is None else [int(c) for c in inputs]
     if not calls:
         return []
     same_rank = outputs[outputs["rank"] == row["rank"]]

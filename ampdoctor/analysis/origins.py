@@ -45,13 +45,6 @@ from ..run import Run, to_frame
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
 
 
-def source_call(source: int) -> int:
-    """The call of an entry of a row's ``inputs``: a call whose returned tensor reached this one
-    only through untapped code that computes with it is stored as ``~call``
-    (:func:`ampdoctor.call_graph.through_untapped`)."""
-    return ~source if source < 0 else source
-
-
 @dataclass(frozen=True)
 class Origin:
     name: str              # the module (or OUTSIDE)
@@ -201,16 +194,16 @@ class _CallTable:
         self._parent: dict[int, int | None] = {}
         self._inputs: dict[int, tuple[int, ...]] = {}
         self._through_code: dict[int, frozenset[int]] = {}  # inputs received through untapped code
-        for call, name, parent, inputs in zip(modules["call"], modules["name"], modules["parent"],
-                                              modules["inputs"]):
+        for call, name, parent, inputs, computed in zip(modules["call"], modules["name"], modules["parent"],
+                                                        modules["inputs"], modules["computed_inputs"]):
             if call is None or pd.isna(call):
                 continue
             call = int(call)
             self._name[call] = name
             self._parent[call] = None if parent is None or pd.isna(parent) else int(parent)
-            sources = [int(i) for i in inputs] if inputs is not None else []
-            self._inputs[call] = tuple(source_call(i) for i in sources)
-            self._through_code[call] = frozenset(~i for i in sources if i < 0)
+            self._inputs[call] = tuple(int(i) for i in inputs) if inputs is not None else ()
+            # (null in runs before the column: every input counts as passed on, as they were read)
+            self._through_code[call] = frozenset(int(i) for i in computed) if computed is not None else frozenset()
         forward_calls = modules.loc[modules["kind"] == "output", ["name", "call"]].dropna()
         # Occurrences count the calls that ran forward (a reentrant checkpoint's recomputation
         # adds calls with gradient rows only).
@@ -300,7 +293,7 @@ def _float(value) -> float | None:
 
 
 ORIGIN_COLUMNS = ["step", "rank", "kind", "name", "order", "dtype", "skipped", "loss", "amax", "n_nan", "n_inf",
-                  "call", "parent", "inputs"]
+                  "call", "parent", "inputs", "computed_inputs"]
 
 
 def rows_at(run: Run, steps) -> pd.DataFrame:
