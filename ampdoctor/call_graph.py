@@ -87,8 +87,8 @@ _NUMBERS = (int, float)
 
 
 def _passes(node) -> bool:
-    """Whether ``node``'s backward cannot make a finite gradient non-finite (:data:`PASSES`).
-    Inlined in :meth:`CallGraph._upstream`. No sync."""
+    """Whether ``node``'s backward cannot make a finite gradient non-finite (:data:`PASSES`,
+    :data:`SCALED_PASSES`; the answer per node type is cached). No sync."""
     kind = type(node)
     passes = _passing.get(kind)
     if passes is None:
@@ -249,15 +249,8 @@ class CallGraph:
             if hit is not None:
                 calls.extend([~call for call in hit] if computed else hit)
                 continue
-            if not computed:  # (_passes, inlined)
-                passes = _passing.get(type(current))
-                if passes is not True:
-                    if passes is None:
-                        computed = not _passes(current)
-                    elif passes is False:
-                        computed = True
-                    else:
-                        computed = not _scaled_passes(current, passes)
+            if not computed:
+                computed = not _passes(current)
             for nxt, _ in current.next_functions:
                 if nxt is not None:
                     key = id(nxt)

@@ -208,14 +208,19 @@ OPEN_FAILURES = {"permission denied": (_denied, "Permission denied"), "I/O error
                  "removed": (_removed, "No such file or directory")}
 
 
-def _fail_open(monkeypatch, files, fail) -> None:
-    """Opening any of ``files`` to read its footer fails as ``fail`` makes it."""
+def _fail_open(monkeypatch, failure: str) -> tuple[set, str]:
+    """Opening any file of the returned set (filled by the test) to read its footer fails as
+    ``OPEN_FAILURES[failure]`` makes it; also returns the reason the reader should give."""
+    fail, reason = OPEN_FAILURES[failure]
+    files: set = set()
+
     def opened(file, *args, **kwargs):
         if Path(file) in files:
             fail(Path(file))
         return builtins.open(file, *args, **kwargs)
 
     monkeypatch.setattr(segment_module, "open", opened, raising=False)
+    return files, reason
 
 
 def _each_on_a_copy(good, tmp_path, ready, commands=COMMANDS):
@@ -254,12 +259,10 @@ def _same_content(got, expected) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("failure", OPEN_FAILURES)
 def test_a_segment_that_cannot_be_opened_is_skipped_with_a_warning(good, tmp_path, monkeypatch, failure):
-    fail, reason = OPEN_FAILURES[failure]
+    chosen, reason = _fail_open(monkeypatch, failure)  # (chosen: the segment of every copy)
     name = sorted(good.glob("*.parquet"))[1].name
     expected = _without(good, tmp_path, name)
     warning = f"skipped unreadable segment {name} (cannot read: {reason})"
-    chosen = set()  # the chosen segment of every copy
-    _fail_open(monkeypatch, chosen, fail)
 
     def ready(path):
         chosen.add(path / name)
@@ -283,9 +286,7 @@ def test_a_segment_that_cannot_be_opened_is_skipped_with_a_warning(good, tmp_pat
 
 @pytest.mark.parametrize("failure", OPEN_FAILURES)
 def test_a_run_whose_segments_all_cannot_be_opened_gets_one_line(good, tmp_path, monkeypatch, failure):
-    fail, reason = OPEN_FAILURES[failure]
-    chosen = set()
-    _fail_open(monkeypatch, chosen, fail)
+    chosen, reason = _fail_open(monkeypatch, failure)
 
     def ready(path):
         chosen.update(path.glob("*.parquet"))
@@ -306,9 +307,7 @@ def test_a_run_whose_segments_all_cannot_be_opened_gets_one_line(good, tmp_path,
 @pytest.mark.parametrize("failure", OPEN_FAILURES)
 def test_a_single_segment_file_that_cannot_be_opened_is_the_runs_error(good, tmp_path, monkeypatch, failure):
     """The path given is the segment: failing to open it is the run's error, not a skip."""
-    fail, reason = OPEN_FAILURES[failure]
-    chosen = set()
-    _fail_open(monkeypatch, chosen, fail)
+    chosen, reason = _fail_open(monkeypatch, failure)
 
     def alone(i):
         file = tmp_path / f"alone{i}.parquet"
