@@ -102,15 +102,35 @@ def read(out_json: Path, dirs: list[Path]) -> None:
                     parsed = _clean(text, command, fmt)
                     if parsed is not None:
                         got[command] = parsed
+            # fp8: every format on a run recorded at level="full" (its GEMM operand rows); one line
+            # naming what it lacks, exit 2, on the others
+            full_level = got["info"].get("kinds", {}).get("gemm_weight", 0) > 0
+            for fmt in ("text", "md", "json", "html"):
+                target = Path(tmp) / f"fp8.{fmt}"
+                args = ["fp8", run, "--format", fmt] + ([] if fmt in ("text", "json") else ["-o", target])
+                code, output = invoke(*args)
+                if not full_level:
+                    if code != 2 or "no FP8 operand statistics" not in output or "Traceback" in output:
+                        fail(f"{' '.join(map(str, args))} on a run without GEMM rows exited {code}: {output[-2000:]}")
+                    break
+                if code != 0:
+                    fail(f"{' '.join(map(str, args))} exited {code}: {output[-2000:]}")
+                parsed = _clean(target.read_text() if fmt not in ("text", "json") else output, "fp8", fmt)
+                if parsed is not None:
+                    got["fp8"] = parsed
             code, output = invoke("watch", run, "--timeout", "30", "--format", "json")
             if code != 0:
                 fail(f"watch {run} exited {code}: {output[-2000:]}")
             frame = ampdoctor.load(run)
-            full = frame["n_zero"].notna()
+            gemm = frame["kind"].astype(str).str.startswith("gemm_")
+            full = frame["n_zero"].notna() & ~gemm
             lengths = {len(h) for h in frame.loc[full, "hist"]}
             bins = int(frame.attrs["metadata"]["hist.bins"])
             if lengths != {bins} or frame.loc[~full & (frame["kind"] != "param"), "hist"].notna().any():
                 fail(f"load({run}): histogram lengths {lengths}, expected {bins} on full rows and none elsewhere")
+            fine = frame.loc[gemm & frame["n_zero"].notna(), "fine_hist"]
+            if {len(h) for h in fine} - {2048} or frame.loc[~gemm, "fine_hist"].notna().any():
+                fail(f"load({run}): fine histograms of {sorted({len(h) for h in fine})} bins, or off GEMM rows")
             got["load"] = {"rows": len(frame), "hist_total": int(sum(int(h.sum()) for h in frame.loc[full, "hist"]))}
         a, b = runs[0], runs[-1]
         for fmt in ("text", "md", "json", "html"):

@@ -19,16 +19,16 @@ _LAZY = {"GradScaler": ("scaler", "GradScaler"), "wrap": ("scaler", "wrap"), "un
          "find_origins": ("analysis.origins", "find_origins"),
          "report": ("contracts", "report"), "postmortem": ("contracts", "postmortem"),
          "compare": ("contracts", "compare"), "simulate": ("contracts", "simulate"),
-         "layers": ("contracts", "layers")}
+         "layers": ("contracts", "layers"), "fp8": ("contracts", "fp8")}
 
 if TYPE_CHECKING:
     from .analysis.origins import find_origins
-    from .contracts import compare, layers, postmortem, report, simulate
+    from .contracts import compare, fp8, layers, postmortem, report, simulate
     from .run import Run, load, read_run
     from .scaler import GradScaler, unwrap, wrap
 
 __all__ = ["GradScaler", "wrap", "unwrap", "load", "read_run", "Run", "find_origins", "report", "postmortem",
-           "compare", "simulate", "layers", "AmpdoctorError", "RecorderError", "RunError", "__version__"]
+           "compare", "simulate", "layers", "fp8", "AmpdoctorError", "RecorderError", "RunError", "__version__"]
 
 
 def __getattr__(name: str):

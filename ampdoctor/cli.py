@@ -248,6 +248,27 @@ def postmortem(run: Run, fmt: str, output: str | None) -> None:
 
 
 @main.command()
+@run_argument
+@output_format("text", "md", "json", "html")
+@click.option("--flush-limit", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True), default=0.01,
+              show_default=True, help="Keep a layer out of FP8 when current scaling flushes or saturates more than "
+                                      "this share of an operand's nonzero elements at a sampled step.")
+@click.option("--top", type=click.IntRange(min=1), default=6, show_default=True,
+              help="Rows of the delayed-scaling table in text and Markdown (the layers to keep first, then "
+                   "the operands that need the longest history).")
+@output_option
+@library_errors
+def fp8(run: Run, fmt: str, flush_limit: float, top: int, output: str | None) -> None:
+    """FP8 readiness: which GEMM layers (Linear) can train in FP8 with TransformerEngine or torchao,
+    which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling.
+    Needs a run recorded with level='full' and model=."""
+    from .analysis.fp8 import fp8_data
+    from .render.fp8 import render_fp8
+
+    _emit(render_fp8(fp8_data(run, flush_limit=flush_limit), fmt, color=output is None and _color(), top=top), output)
+
+
+@main.command()
 @click.argument("run_a", type=click.Path(path_type=str, readable=False))
 @click.argument("run_b", type=click.Path(path_type=str, readable=False))
 @click.option("--run-a", "run_id_a", metavar="ID", default=None,
@@ -345,7 +366,7 @@ def _demo_help() -> str:
     """The command's help, listing SCENARIOS (so that it cannot go stale); \b keeps the list's lines."""
     names = "\n".join(f"  {name:<10} {s.description}" for name, s in SCENARIOS.items())
     return ("Train a small transformer with fp16 AMP on synthetic data and record a run: healthy, or with "
-            "one problem for `ampdoctor report` (or `postmortem`) to explain. Scenarios:\n\n\b\n" + names)
+            "one problem for `ampdoctor report` (or `postmortem`, or `fp8`) to explain. Scenarios:\n\n\b\n" + names)
 
 
 @main.command(help=_demo_help())
@@ -358,7 +379,8 @@ def _demo_help() -> str:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--report", "show_report", is_flag=True,
-              help="Then print what explains the run: the report (for --scenario nan, the postmortem).")
+              help="Then print what explains the run: the report (for --scenario nan, the postmortem; for fp8, "
+                   "ampdoctor fp8).")
 @click.option("--settings-from", "settings_from", metavar="RUN", type=click.Path(path_type=str, readable=False),
               default=None, help="Train with the GradScaler settings RUN's report recommends (then check them with "
                                  "`ampdoctor compare RUN OUT`); the options below override single settings.")
@@ -408,6 +430,10 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
     if explained_by == "postmortem":
         from .analysis.postmortem import postmortem_data
         text = render.postmortem(postmortem_data(result.path), "text", color=_color())
+    elif explained_by == "fp8":
+        from .analysis.fp8 import fp8_data
+        from .render.fp8 import render_fp8
+        text = render_fp8(fp8_data(result.path), "text", color=_color())
     else:
         from .analysis.report import report_data
         text = render.report(report_data(result.path), "text", color=_color())

@@ -1,6 +1,6 @@
 """What each command says, for library users and notebooks: ``ampdoctor.report(path)``,
-``ampdoctor.postmortem(path)``, ``ampdoctor.compare(a, b)``, ``ampdoctor.simulate(path, ...)``
-and ``ampdoctor.layers(path, ...)`` return the command's JSON contract
+``ampdoctor.postmortem(path)``, ``ampdoctor.compare(a, b)``, ``ampdoctor.simulate(path, ...)``,
+``ampdoctor.layers(path, ...)`` and ``ampdoctor.fp8(path, ...)`` return the command's JSON contract
 (docs/json-contracts.md) as a dict, the same data ``ampdoctor COMMAND ... --format json`` prints
 with every sentence worded, that Jupyter shows as the command's HTML page. The analyses
 themselves (``analysis.*_data``) return findings, not sentences."""
@@ -90,6 +90,10 @@ class Layers(CommandResult):
     """``ampdoctor.layers(path)``."""
 
 
+class Fp8Readiness(CommandResult):
+    """``ampdoctor.fp8(path)``."""
+
+
 def _run(run: RunLike, run_id: str | None) -> Run:
     if isinstance(run, Run):
         if run_id is not None:
@@ -129,3 +133,12 @@ def layers(run: RunLike, run_id: str | None = None, sort: str = "underflow", top
     """``ampdoctor layers``: the per-layer table, sorted by ``underflow``, ``headroom`` or ``amax``."""
     from .analysis.layers import layers_data
     return Layers(layers_data(_run(run, run_id), sort=sort, top=top), render.layers)
+
+
+def fp8(run: RunLike, run_id: str | None = None, flush_limit: float = 0.01) -> Fp8Readiness:
+    """``ampdoctor fp8``: FP8 readiness per GEMM layer (ready, keep, unknown) under current and
+    delayed scaling, the layers to keep and torchao's filter for them, the shortest amax history.
+    ``flush_limit``: the share of an operand's nonzero elements a layer may flush (0 < x < 1)."""
+    from .analysis.fp8 import fp8_data
+    from .render.fp8 import render_fp8
+    return Fp8Readiness(fp8_data(_run(run, run_id), flush_limit=flush_limit), render_fp8)

@@ -106,7 +106,10 @@ def default_steps(device: str) -> int:
 def fault_step(scenario: str, steps: int) -> int | None:
     """The first step that trains with ``scenario``'s blown-up weight (None: no fault). The run goes
     on for STEPS_AFTER_FAULT more steps, as a real run does until someone stops it."""
-    return max(0, steps - 1 - STEPS_AFTER_FAULT) if SCENARIOS[scenario].fault_module else None
+    cfg = SCENARIOS[scenario]
+    if not cfg.fault_module:
+        return None
+    return steps // 2 if cfg.fault_outlier else max(0, steps - 1 - STEPS_AFTER_FAULT)
 
 
 def clear_previous_run(path: str | os.PathLike) -> None:
@@ -203,7 +206,8 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
         # strict: the run is what the demo is for, so a recorder failure ends it at once and names
         # its cause (without strict it warns once, recording stops and training goes on).
         scaler = GradScaler(device_type, **scaler_kwargs, model=model, path=path, amp_dtype=torch.float16,
-                            level=cfg.level, strict=True)
+                            level=cfg.level, strict=True,
+                            **({"module_every": cfg.module_every} if cfg.module_every else {}))
         if cpu:  # one thread: the same run, bit for bit, on any number of cores (reductions split alike)
             torch.set_num_threads(1)
         with scaler, warnings.catch_warnings(), _restore_threads(threads):
@@ -213,7 +217,12 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
                 if step == fault_at:
                     weight = model.get_submodule(cfg.fault_module).weight
                     with torch.no_grad():
-                        weight.mul_(cfg.fault_peak / weight.abs().max())
+                        if cfg.fault_outlier:  # its largest element only
+                            flat = weight.view(-1)
+                            top = flat.abs().argmax()
+                            flat[top] = cfg.fault_peak * flat[top].sign()
+                        else:
+                            weight.mul_(cfg.fault_peak / weight.abs().max())
                 x, y = synthetic_batch(gen, batch, context, vocab, device)
                 with torch.autocast(device_type, dtype=torch.float16):
                     logits = model(x)

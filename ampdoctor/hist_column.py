@@ -50,8 +50,9 @@ def is_hist_type(type_: pa.DataType) -> bool:
 
 
 def hist_array(parts: list[np.ndarray], bins: int) -> pa.Array:
-    """The ``hist`` column of a segment being written: ``parts`` are 2-D integer blocks of ``bins``
-    columns (full rows) or 1-D object blocks of None (light rows, null). A ``list<int64>``, or
+    """The ``hist`` column (or ``fine_hist``, of its own ``bins``) of a segment being written:
+    ``parts`` are 2-D integer blocks of ``bins`` columns (full rows) or 1-D object blocks of None
+    (light rows, null) or of some rows' counts. A ``list<int64>``, or
     its large variant when the counts of one segment pass 2**31 values (int32 offsets)."""
     lengths, flat = [], []
     for block in parts:
@@ -60,8 +61,13 @@ def hist_array(parts: list[np.ndarray], bins: int) -> pa.Array:
                 raise ValueError(f"a histogram block of {block.shape[1]} bins in a run of {bins}")
             lengths.append(np.full(len(block), bins, dtype=np.int64))
             flat.append(np.ascontiguousarray(block, dtype=np.int64).reshape(-1))
-        else:
-            lengths.append(np.zeros(len(block), dtype=np.int64))
+        else:  # (an object block: None, or a row's counts where some rows have them: GEMM rows)
+            present = [v for v in block if v is not None]
+            if any(len(v) != bins for v in present):
+                raise ValueError(f"a histogram of another length than {bins} bins")
+            lengths.append(np.array([0 if v is None else bins for v in block], dtype=np.int64))
+            if present:
+                flat.append(np.concatenate([np.asarray(v, dtype=np.int64) for v in present]))
     length = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     values = pa.array(np.concatenate(flat) if flat else np.zeros(0, np.int64), type=pa.int64())
     return _lists(length, values)

@@ -62,6 +62,7 @@ _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _get_ident = threading.get_ident
 _is_compiling = torch.compiler.is_compiling
 _is_inference = torch.is_inference_mode_enabled
+_is_grad_enabled = torch.is_grad_enabled
 
 
 class TapSink(Protocol):
@@ -194,8 +195,12 @@ class ModuleTaps:
     """Forward and gradient taps on the selected modules of one model; feeds a :class:`TapSink`.
     Hooks never sync: they only hand tensors to the sink, which queues device work."""
 
-    def __init__(self, model: nn.Module, modules: ModuleFilter, sink: TapSink) -> None:
+    def __init__(self, model: nn.Module, modules: ModuleFilter, sink: TapSink,
+                 gemm: Callable[[nn.Module], bool] | None = None) -> None:
+        """``gemm``: which of the tapped modules are GEMM layers, whose inputs are handed to the
+        step's input observer (:meth:`reset`)."""
         self.targets = select_modules(model, modules)
+        self.gemm_layers = {name: m for name, m in self.targets if gemm is not None and gemm(m)}
         self._sink = sink
         self._handles: list[Any] = []
         self._on = False  # the module hooks are installed: node pre-hooks left on live nodes check it
@@ -215,8 +220,9 @@ class ModuleTaps:
             return
         try:
             for name, module in self.targets:
+                before = self._before_gemm_forward if name in self.gemm_layers else self._before_forward
                 self._handles.append(module.register_forward_pre_hook(
-                    ModuleHook(module, functools.partial(self._before_forward, name)), with_kwargs=True))
+                    ModuleHook(module, functools.partial(before, name)), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
                     ModuleHook(module, self._after_forward), with_kwargs=True, always_call=True))
         except BaseException:
@@ -239,12 +245,19 @@ class ModuleTaps:
         self._on = False
         self._stopped = True
 
-    def reset(self, observe: Callable[[str, ModuleCall, int, torch.Tensor], None] | None = None) -> None:
+    def reset(self, observe: Callable[[str, ModuleCall, int, torch.Tensor], None] | None = None,
+              observe_input: Callable[[ModuleCall, nn.Module, torch.Tensor | None, bool], None] | None = None,
+              observe_gemm_grad: Callable[[ModuleCall, int, torch.Tensor], None] | None = None) -> None:
         """Start a new step (between iterations, on the training thread): numbering restarts,
         remembered tensors are forgotten, and call stacks left over from a forward that never
         returned (KeyboardInterrupt) are dropped. ``observe``: what the taps hand each tensor to
-        in this step, called as the sink's ``observe_tap`` is (the default). No sync."""
+        in this step, called as the sink's ``observe_tap`` is (the default); ``observe_input``:
+        what a GEMM layer's call hands its input to (None: none fit to observe) and whether grad
+        is enabled, ``observe_gemm_grad`` its output gradient,
+        after ``observe`` (None: nothing). No sync."""
         self._observe = observe or self._sink.observe_tap
+        self._observe_input = observe_input
+        self._observe_gemm_grad = observe_gemm_grad
         self._graph.reset()
         self._previous_hooks, self._hooks = getattr(self, "_hooks", {}), {}  # call (, output) -> node pre-hook
         self._forward_order = itertools.count()
@@ -260,13 +273,39 @@ class ModuleTaps:
         if _is_compiling() or not self._on or _is_inference():
             return None
         try:
-            stack = self._stacks.get(_get_ident())
-            if stack is None:
-                stack = self._stacks.setdefault(_get_ident(), [])
-            stack.append(self._graph.begin(name, id(module), stack[-1].call if stack else None, args, kwargs))
+            self._begin(name, module, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
             self._sink.fail(exc)
         return None
+
+    def _before_gemm_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A GEMM layer's pre-hook: the call begins, and its input goes to the input observer
+        (not when a checkpoint recomputes the call in backward: its input was seen in forward)."""
+        if _is_compiling() or not self._on or _is_inference():
+            return None
+        try:
+            info = self._begin(name, module, args, kwargs)
+            observe = self._observe_input
+            # Not a checkpoint's recomputation in backward (its forward was seen). Whether the call
+            # trains (grad enabled: not a validation pass under no_grad) goes with it.
+            if observe is not None and _current_graph_task_id() == -1:
+                x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+                if not (isinstance(x, torch.Tensor) and x.dtype in _TAPPED_DTYPES and x.layout == torch.strided
+                        and x.numel()):
+                    x = None
+                observe(info, module, x, _is_grad_enabled())
+        except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
+            self._sink.fail(exc)
+        return None
+
+    def _begin(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> ModuleCall:
+        """A call of a tapped module begins: on this thread's call stack, with its facts."""
+        stack = self._stacks.get(_get_ident())
+        if stack is None:
+            stack = self._stacks.setdefault(_get_ident(), [])
+        info = self._graph.begin(name, id(module), stack[-1].call if stack else None, args, kwargs)
+        stack.append(info)
+        return info
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if _is_compiling() or not self._on or _is_inference():
@@ -314,7 +353,10 @@ class ModuleTaps:
         try:
             grad = grads[output_nr]
             if grad is not None and grad.layout == torch.strided and grad.numel():
-                self._observe("grad_output", info, next(self._backward_order), grad)
+                order = next(self._backward_order)
+                self._observe("grad_output", info, order, grad)
+                if self._observe_gemm_grad is not None and info.name in self.gemm_layers:
+                    self._observe_gemm_grad(info, order, grad)
         except Exception as exc:  # noqa: BLE001
             self._sink.fail(exc)
         return None  # never changes the gradients

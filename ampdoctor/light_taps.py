@@ -67,11 +67,11 @@ class Repeat:
 class LightTaps:
     """The light observations of the step in progress."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, repeat: Repeat | None = None) -> None:
         self._limit = limit  # tensors kept per step; more are counted in ``dropped``
         self._groups: dict[torch.dtype, list] = {}  # dtype -> flat list (FIELDS entries per tensor)
         self._count = 0
-        self._repeat = Repeat()
+        self.repeat = repeat or Repeat()  # (shared with the GEMM operands': gemm_operands.py)
         self.dropped = 0
 
     def add(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
@@ -84,14 +84,14 @@ class LightTaps:
         group = self._groups.get(dtype)
         if group is None:
             group = self._groups.setdefault(dtype, [])
-        group.extend((kind, call, order, dtype, tensor.numel(), *self._repeat.of(tensor, extremes)))
+        group.extend((kind, call, order, dtype, tensor.numel(), *self.repeat.of(tensor, extremes)))
 
     def flight_step(self, step: int) -> FlightStep | None:
         """The step's observations with their peaks, for the flight recorder, or None if there
         were none; starts the next step. A stack per dtype, then one of each op for all of them
         (no sync)."""
         groups, self._groups, self._count, self.dropped = self._groups, {}, 0, 0
-        self._repeat.clear()
+        self.repeat.clear()
         if not groups:
             return None
         flat: list = []

@@ -41,6 +41,7 @@ class RecordOptions:
     scale_floor: float | None = 1.0
     check_params: bool | str = True  # True: sampled steps, escalated steps and the end; "always"; False
     ranks: Any = None  # the ranks that record (an int or an iterable of ints); None: all
+    fp8: bool = True  # at level="full": the GEMM operands that `ampdoctor fp8` reads (gemm_operands.py)
 
     @property
     def gradient_interval(self) -> int:
@@ -84,6 +85,8 @@ class RecordOptions:
             raise ValueError(f"flush_seconds must be > 0, got {self.flush_seconds!r}")
         if self.amp_dtype is not None:
             float_format(self.amp_dtype)  # ValueError for a non-float dtype
+        if not isinstance(self.fp8, bool):
+            raise TypeError(f"fp8 must be True or False, got {self.fp8!r}")
         if self.check_params not in (True, False, "always"):
             raise ValueError(f"check_params must be True, False or 'always', got {self.check_params!r}")
         if self.ranks is not None:

@@ -28,6 +28,9 @@ class StepPlan:
         self.flight_steps = options.flight_steps
         self.escalate_steps = options.escalate_steps
         self.escalate_until = start_step  # steps below this are escalated
+        # Light module taps on the steps between samples: for the flight recorder, and for the GEMM
+        # operands' peaks (the recorder sets it when it records them: gemm_operands.py).
+        self.light_taps = bool(options.flight_steps)
 
     def escalated(self, step: int) -> bool:
         return step < self.escalate_until
@@ -56,7 +59,7 @@ class StepPlan:
             return None
         if step % self.module_every == 0:
             return "full"
-        return "light" if self.flight_steps else None
+        return "light" if self.light_taps else None
 
     def escalate(self, after_step: int) -> None:
         """An anomaly was seen by the end of ``after_step``: escalate the steps after it."""

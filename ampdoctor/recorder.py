@@ -33,6 +33,7 @@ from . import shutdown
 from .anomalies import AnomalyWatch
 from .errors import RecorderError
 from .formats import dtype_name, float_format
+from .gemm_operands import MAX_FINE_HISTS, GemmOperands, is_gemm
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
 from .light_taps import LightTaps, Repeat
 from .live_status import LiveStatus
@@ -113,6 +114,7 @@ class Recorder:
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._plan = StepPlan(options, start_step)
+        self._gemm: GemmOperands | None = None  # the GEMM operands FP8 would cast (level="full": gemm_operands.py)
         # Measured steps: the float32 shadow of the backward (underflow_probe.py), made when the
         # step is planned, active from scale() to the step's first observe_grads.
         self._probe: ShadowBackward | None = None
@@ -143,7 +145,12 @@ class Recorder:
                                   "and the measured underflow are off (the estimate stands in), and "
                                   "recording continues at level='params'", RuntimeWarning, stacklevel=4)
             else:
-                self._taps = ModuleTaps(inner, options.modules, self)
+                self._taps = ModuleTaps(inner, options.modules, self, gemm=is_gemm if options.level == "full" and options.fp8 else None)
+                if self._taps.gemm_layers:
+                    self._gemm = GemmOperands(self._taps.gemm_layers, self._light_taps.repeat, MAX_TAP_ROWS_PER_STEP,
+                                              self._inv_scale)
+                    self._plan.light_taps = True  # the operands' peaks every step, flight recorder or not
+                    self._run_metadata.gemm_layers({n: type(m).__name__ for n, m in self._taps.gemm_layers.items()})
             if self._amp_dtype is None:
                 self._sniff_handle = inner.register_forward_pre_hook(ModuleHook(inner, self._sniff_autocast))
         self.writer = RunWriter(
@@ -490,6 +497,10 @@ class Recorder:
         self._dropped_taps += self._light_taps.dropped
         flight_step = self._light_taps.flight_step(self.step)
         copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
+        if self._gemm is not None and module_stats is not None:
+            record.gemm = self._gemm.finish(self.step)
+            if record.gemm is not None:
+                _copy_gemm(record.gemm, copy)
         record.scalars = copy(scalars) if scalars is not None else None
         items = (*record.groups, *record.taps)
         for item, stats in zip(items, stats_to_host([item.stats for item in items], copy)):
@@ -514,6 +525,10 @@ class Recorder:
             self._taps_off(f"no module tap fired in step {self.step} although gradients were "
                            "recorded: the model runs under torch.compile, or model= is not the "
                            "module being trained")
+        if self._gemm is not None and self._gemm.dropped_hists and not self._warned_dropped:
+            self._warned_dropped = True
+            warnings.warn(f"ampdoctor: more than {MAX_FINE_HISTS} GEMM operands in one module-sampled step; the "
+                          "fine histograms of the rest are not recorded (their peaks are)", RuntimeWarning, stacklevel=3)
         if self._dropped_taps and not self._warned_dropped:
             self._warned_dropped = True
             warnings.warn(f"ampdoctor: more than {MAX_TAP_ROWS_PER_STEP} module observations in "
@@ -555,7 +570,7 @@ class Recorder:
         warnings.warn(f"ampdoctor: {why}. Module rows are off; recording continues at "
                       "level='params'", RuntimeWarning, stacklevel=5)
         self._taps.remove()
-        self._taps, self._module_stats = None, None
+        self._taps, self._module_stats, self._gemm = None, None, None
 
     def _plan_step(self) -> None:
         """Decide what the module taps record in the step about to start, and whether its
@@ -568,10 +583,19 @@ class Recorder:
         self._module_stats = self._plan.module_stats(self.step)
         # Light steps: the taps hand tensors straight to the flight recorder's buffer (one call
         # less per tensor than through observe_tap).
-        observe = self._light_taps.add if self._module_stats == "light" else None
+        observe = None
+        if self._module_stats == "light":
+            # (light taps for the GEMM operands alone, with the flight recorder off: nothing else kept)
+            observe = self._light_taps.add if self.options.flight_steps else _ignore
+        observe_input = observe_grad = None
+        if self._gemm is not None and self._module_stats is not None:
+            self._gemm.start(sampled=self._module_stats == "full")
+            observe_input, observe_grad = self._gemm.input, self._gemm.grad
         if self._probe is not None:  # the taps' own ops must not be shadowed
             observe = _paused(self._probe, observe or self.observe_tap)
-        self._taps.reset(observe)
+            if observe_input is not None:
+                observe_input, observe_grad = _paused(self._probe, observe_input), _paused(self._probe, observe_grad)
+        self._taps.reset(observe, observe_input, observe_grad)
         if self._module_stats is None:
             self._taps.remove()
             return
@@ -614,12 +638,23 @@ def _compiled_backward(roots: list[torch.Tensor], limit: int = 200_000) -> bool:
     return False
 
 
+def _ignore(kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
+    """A light step's observer with the flight recorder off (the GEMM operands are observed apart)."""
+
+
 def _paused(probe: ShadowBackward, observe):
-    """``observe`` run with ``probe`` paused on the calling thread."""
-    def paused(kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
+    """``observe`` (a tap's observer) run with ``probe`` paused on the calling thread."""
+    def paused(*args) -> None:
         with probe.paused():
-            observe(kind, call, order, tensor)
+            observe(*args)
     return paused
+
+
+def _copy_gemm(gemm, copy) -> None:
+    """Start the host copies of a step's GEMM operands (non-blocking; no sync)."""
+    gemm.peaks = copy(gemm.peaks)
+    if gemm.hists is not None:
+        gemm.hists, gemm.zeros = copy(gemm.hists), copy(gemm.zeros)
 
 
 def _when_dropped(recorder: "weakref.ref[Recorder]"):

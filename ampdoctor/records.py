@@ -43,6 +43,20 @@ class TapObservation:
 
 
 @dataclass
+class GemmRecord:
+    """The GEMM operands of one step (:mod:`ampdoctor.gemm_operands`): the peak of each call's
+    input and output gradient and of each called layer's weight (``taps``, flat as
+    :mod:`ampdoctor.light_taps` keeps them; gradients still scaled) and, on module-sampled steps,
+    fine histograms."""
+
+    taps: list                        # flat, light_taps.FIELDS entries per input, weight or gradient
+    peaks: torch.Tensor               # float32 [taps]
+    hist_keys: list[tuple]            # (kind, call) of each histogram
+    hists: torch.Tensor | None        # int64 [hist_keys, FINE_BINS]: nonzero elements by fine bin (gradients unscaled)
+    zeros: torch.Tensor | None        # int64 [hist_keys]: exact zeros
+
+
+@dataclass
 class StepRecord:
     is_step: ClassVar[bool] = True  # the writer counts these when it cannot write them at exit
     step: int
@@ -54,6 +68,7 @@ class StepRecord:
     taps: list[TapObservation] = field(default_factory=list)  # full module statistics only
     tap_measured: torch.Tensor | None = None  # int64 [taps], host copy: each tap's measured underflow (-1: not)
     params: "ParamCheck | None" = None  # the parameter check after optimizer.step()
+    gemm: GemmRecord | None = None    # the GEMM operands (level="full")
     event: Fence | None = None        # to wait on before reading (None: nothing to wait for)
 
 

@@ -14,8 +14,9 @@ import numpy as np
 from .call_graph import through_untapped
 from .formats import float_format
 from .light_taps import observations
-from .records import (FlightRecord, FlightStep, ParamCheck, ParamRecord, StepRecord, StepScalars, TapObservation,
-                      read_scalars)
+from .records import (FlightRecord, FlightStep, GemmRecord, ParamCheck, ParamRecord, StepRecord, StepScalars,
+                      TapObservation, read_scalars)
+from .schema import GEMM_KINDS
 from .stats import HostStats
 
 Block = tuple[dict[str, np.ndarray], int]  # every column of the schema, and its number of rows
@@ -57,6 +58,8 @@ def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: i
                                  measured=None if record.tap_measured is None else record.tap_measured.tolist()))
     if record.params is not None:
         blocks.append(_param_rows(step, record.params, float_format(record.amp_dtype).max))
+    if record.gemm is not None:
+        blocks.append(_gemm_rows(step, record.gemm))
     anomaly = (scalars.skipped or (scalars.loss is not None and not np.isfinite(scalars.loss))
                or (scalars.param_peak is not None and not np.isfinite(scalars.param_peak)))
     return blocks, anomaly
@@ -124,6 +127,7 @@ class _StepColumns:
                                                               for t in taps]),
             "computed_inputs": _objects(n, None if taps is None else [
                 [~i for i in t.call.inputs if through_untapped(i)] for t in taps]),
+            "fine_hist": _objects(n),
         }, n
 
 
@@ -138,6 +142,30 @@ def _flight_rows(flight_step: FlightStep, rank: int) -> Block:
     with np.errstate(over="ignore", invalid="ignore"):
         amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
     return step.block(_Labels.of_taps(taps), _light_columns(amax), taps=taps)
+
+
+def _gemm_rows(step: _StepColumns, gemm: GemmRecord) -> Block:
+    """GEMM operand rows (gemm_operands.py): one per call's input and output gradient, one per
+    called layer's weight; ``amax`` the peak (gradients unscaled by the step's float32 1/scale, as
+    torch's ``unscale_``: the largest product is the product of the largest), ``call`` and, on
+    gradients, the backward ``order``; on module-sampled steps ``n_zero`` and ``fine_hist``."""
+    grad_kind = GEMM_KINDS[2]
+    taps = observations(gemm.taps)
+    peaks = gemm.peaks.numpy().astype(np.float32)
+    inv = np.float32(1.0 / np.float64(step.scale))
+    grads = np.array([t.kind == grad_kind for t in taps], dtype=bool)
+    with np.errstate(over="ignore", invalid="ignore"):
+        amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
+    block, n = step.block(_Labels.of_taps(taps), _light_columns(amax))
+    block["call"] = _objects(n, [t.call.call for t in taps])
+    block["order"] = _objects(n, [t.order if t.kind == grad_kind else None for t in taps])
+    if gemm.hists is not None:
+        where = {key: i for i, key in enumerate(gemm.hist_keys)}
+        hists, zeros = gemm.hists.numpy(), gemm.zeros.numpy()
+        index = [where.get((t.kind, t.call.call)) for t in taps]
+        block["n_zero"] = _objects(n, [None if i is None else int(zeros[i]) for i in index])
+        block["fine_hist"] = _objects(n, [None if i is None else hists[i] for i in index])
+    return block, n
 
 
 def _param_rows(step: _StepColumns, params: ParamCheck, amp_max: float) -> Block:

@@ -12,7 +12,7 @@ from . import __version__
 from .hooks import WRAPPER_CLASSES, clean_name
 from .options import RecordOptions
 from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
-                     META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS,
+                     META_GEMM_LAYERS, META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS,
                      META_SCALER_ENABLED, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE,
                      SCALER_META, SCHEMA_VERSION)
 
@@ -44,6 +44,10 @@ class RunMetadata:
         self._world_size = str(world_size)
         self._options = options
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    def gemm_layers(self, layers: dict[str, str]) -> None:
+        """The GEMM layers whose operands are recorded ({name: class name}; gemm_operands.py)."""
+        self._fixed[META_GEMM_LAYERS] = json.dumps(layers, separators=(",", ":"))
 
     def __call__(self, *, amp_dtype: str, run_id: str, dropped_steps: int) -> dict[str, str]:
         """The metadata of a segment written now (on the writer thread)."""

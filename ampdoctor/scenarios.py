@@ -21,6 +21,8 @@ class Scenario:
     level: str = "params"
     fault_module: str | None = None     # a module whose weight a bad update blows up (see fault_step) ...
     fault_peak: float = 0.0             # ... to this largest magnitude
+    fault_outlier: bool = False         # only its largest element becomes fault_peak (an outlier), at mid-run
+    module_every: int | None = None     # the recorder's module_every (None: its default)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -34,4 +36,9 @@ SCENARIOS: dict[str, Scenario] = {
     # the postmortem names the module, not a parameter. level="full" records the module taps.
     "nan": Scenario("near the end, blocks.1.mlp.0's weight blows up: fp16 overflow, NaN loss",
                     explained_by="postmortem", level="full", fault_module="blocks.1.mlp.0", fault_peak=2.0**15),
+    # An outlier that fp16 holds but a tensorwise FP8 scale cannot: with it as the amax, most of the
+    # weight falls below E4M3's smallest subnormal. level="full" records the GEMM operands.
+    "fp8": Scenario("midway, one weight of blocks.1.mlp.0 becomes an outlier (2**12): fp16 trains on, FP8 would "
+                    "flush", explained_by="fp8", level="full", fault_module="blocks.1.mlp.0", fault_peak=2.0**12,
+                    fault_outlier=True, module_every=25),
 }

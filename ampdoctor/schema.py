@@ -17,6 +17,10 @@ HIST_BINS = 64
 
 # Row kinds: "step" (one per step and rank), "param_grad", "param", and the module taps'.
 MODULE_KINDS = ("output", "grad_output")
+# The operands FP8 would cast, per GEMM layer (level="full"; gemm_operands.py): each call's input and
+# output gradient, each layer's weight; every step.
+GEMM_KINDS = ("gemm_input", "gemm_weight", "gemm_grad_output")
+FINE_BINS = 2048  # counts in a `fine_hist` (stats/fine_hist.py: the top 12 bits of a float32 magnitude)
 ROOT_NAME = "(model)"  # the `name` of module rows of the model itself (its qualified name is "")
 
 # What a run records (the `record.level` metadata value; RecordOptions.level).
@@ -53,6 +57,9 @@ META_UNWRITTEN_AT_EXIT = "record.unwritten_at_exit"
 # children of nn.Sequential / nn.ModuleList: "blocks.0", "mlp.2"), so reports can say what "mlp.2"
 # is. Written only when the scaler was given `model=`; absent in older runs.
 META_MODULE_TYPES = "model.module_types"
+# JSON object: GEMM layer name -> class name, the layers whose operands are recorded (gemm_* rows);
+# written at level="full" only; absent in runs before 2026-11-27.
+META_GEMM_LAYERS = "model.gemm_layers"
 
 # The scaler's settings as metadata keys, by ScalerConfig field name.
 SCALER_META = {"init_scale": META_INIT_SCALE, "growth_factor": META_GROWTH_FACTOR,
@@ -62,7 +69,7 @@ META_KEYS = (
     META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, META_WRITER, META_SEGMENT, META_FINAL, META_RANK,
     META_WORLD_SIZE, META_DEVICE, META_AMP_DTYPE, META_SCALER_CLASS, META_SCALER_ENABLED, *SCALER_META.values(),
     META_HIST_MIN_EXP, META_HIST_BINS, META_RUN_ID, META_RUN_STARTED, META_LEVEL, META_DROPPED_STEPS,
-    META_UNWRITTEN_AT_EXIT, META_MODULE_TYPES,
+    META_UNWRITTEN_AT_EXIT, META_MODULE_TYPES, META_GEMM_LAYERS,
 )
 
 
@@ -121,6 +128,10 @@ def run_schema(metadata: dict[str, str] | None = None) -> pa.Schema:
         # call_graph.PASSES: an inline autograd Function, `x * s`, a cast). Null on other rows and
         # in runs written before it existed (nothing known: every input counts as passed on).
         pa.field("computed_inputs", pa.list_(pa.int32())),
+        # GEMM operand rows (`gemm_*`) on module-sampled steps: nonzero elements counted by the top 12
+        # bits of their float32 magnitude (stats/fine_hist.py: 8 bins per binade, 2048 in all). Null on
+        # other rows and in runs written before it existed.
+        pa.field("fine_hist", pa.list_(pa.int64())),
     ]
     return pa.schema(fields, metadata=metadata)
 

@@ -58,7 +58,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .hist_column import hist_array
-from .schema import META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
+from .schema import FINE_BINS, META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
 
 _CLOSE = object()   # shutdown sentinel
 EXIT_SECONDS = 5.0    # the one bound: each wait for the writer, and each exit path in all
@@ -160,6 +160,8 @@ class Columns:
             parts = self.data.get(f.name, [])
             if f.name == "hist":
                 arrays.append(hist_array(parts, hist_bins))
+            elif f.name == "fine_hist":
+                arrays.append(hist_array(parts, FINE_BINS))
             elif pa.types.is_list(f.type):  # object blocks of int lists or None
                 values = np.concatenate(parts) if parts else np.array([], dtype=object)
                 arrays.append(pa.array(values.tolist(), type=f.type))

@@ -112,6 +112,7 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank, version) -> p
         "n_zero_lines": pa.array(np.zeros(n, np.int64)), "n_underflow": pa.nulls(n, pa.int64()),
         "call": pa.nulls(n, pa.int32()), "parent": pa.nulls(n, pa.int32()),
         "inputs": pa.nulls(n, pa.list_(pa.int32())), "computed_inputs": pa.nulls(n, pa.list_(pa.int32())),
+        "fine_hist": pa.nulls(n, pa.list_(pa.int64())),
     }
     if version == 1:  # schema version 1's fixed-size histograms, for comparison
         schema = schema.set(schema.get_field_index("hist"), pa.field("hist", columns["hist"].type))

@@ -26,9 +26,32 @@ SIMULATE_CONTRACT = {"config": {"init_scale": float, "growth_factor": float, "ba
                      "skipped_steps": int, "skipped_fraction": float, **UNDERFLOW_FIELDS,
                      "scale": {"final": float, "min": float, "max": float}}
 
+# ampdoctor fp8 (docs/json-contracts.md, fp8)
+FP8_CONTRACT = {
+    "path": str, "run_id": str, "amp_dtype": (str, type(None)), "device": (str, type(None)),
+    "steps": {"first": int, "last": int, "passes": int}, "sampled_steps": [int], "flush_limit": float,
+    "histories": [int],
+    "formats": {"e4m3": {"dtype": str, "max": float, "flushes_at_or_below": float},
+                "e5m2": {"dtype": str, "max": float, "flushes_at_or_below": float}},
+    "layers": [{
+        "name": str, "type": (str, type(None)), "converted": bool, "calls_per_step": int, "verdict": str,
+        "reasons": [{"operand": str, "format": str, "recipe": str, "flushed": float, "saturated": float,
+                     "step": int}],
+        "shortest_history": (int, type(None)),
+        "operands": [{
+            "operand": str, "format": str, "variant": str, "amax_max": (float, type(None)), "passes": int,
+            "sampled_passes": int, "shortest_history": (int, type(None)), "unavoidable_clip_steps": [int], "unavoidable_clip_passes": int,
+            "recipes": [{"recipe": str, "history": (int, type(None)), "flushed_mean": (float, type(None)),
+                         "flushed_max": (float, type(None)), "flushed_max_step": (int, type(None)),
+                         "saturated_mean": (float, type(None)), "saturated_max": (float, type(None)),
+                         "clipped_passes": int, "clipped_steps": [int]}]}]}],
+    "keep": [str], "ready": [str], "unknown": [str], "not_called": [str], "module_filter_fn": (str, type(None)),
+    "shortest_history": (int, type(None)), "limits": [str],
+}
 
 def check_contract(value, spec, where="$"):
-    """``value`` has every key of ``spec`` with the right type (ints count as floats)."""
+    """``value`` has every key of ``spec`` with the right type (ints count as floats; bools only
+    where the spec says bool)."""
     if isinstance(spec, dict):
         assert isinstance(value, dict), where
         for key, sub in spec.items():
@@ -42,4 +65,4 @@ def check_contract(value, spec, where="$"):
         types = spec if isinstance(spec, tuple) else (spec,)
         if float in types:
             types = types + (int,)
-        assert isinstance(value, types) and not isinstance(value, bool), f"{where}: {value!r}"
+        assert isinstance(value, types) and (bool in types or not isinstance(value, bool)), f"{where}: {value!r}"

@@ -15,11 +15,15 @@ since the amax element itself may land one float32 step above the maximum once s
 cast rounds back to it).
 
 Recipes, with ``a_t`` the operand's amax at step ``t`` (one forward/backward pass):
-* current (tensorwise dynamic): ``scale_t = max / a_t`` (1 when ``a_t`` is 0): never saturates;
+* current (tensorwise dynamic): ``scale_t = max / a_t`` (1 when ``a_t`` is 0 or not finite): never saturates;
 * delayed with history ``L`` (TransformerEngine's ``DelayedScaling``, margin 0, ``"max"``):
   ``scale_t = max / max(a_{t-L} .. a_{t-1})`` for ``t >= 1`` and ``scale_0 = 1``; a history whose
-  maximum is 0 (or not finite) keeps the previous scale. Step ``t`` clips iff ``a_t`` exceeds the
-  amax its scale was made from.
+  maximum is 0 keeps the previous scale. Step ``t`` clips iff ``a_t`` exceeds the amax its scale
+  was made from.
+
+A step whose amax is not finite (the AMP run overflowed there: an fp16 step the scaler skipped) is
+left out of every history and never clips: ampdoctor's rule (docs/numerics.md), which
+TransformerEngine does not share (it keeps its scale while such an amax is in the history).
 """
 
 from __future__ import annotations
@@ -102,8 +106,9 @@ def cast(x: torch.Tensor, dtype: torch.dtype, scale: float, allowed: float) -> C
     x = x.float()
     y = (x * torch.tensor(scale, dtype=torch.float32)).clamp(-fmax, fmax).to(dtype).float()
     nonzero = x != 0
+    a = amax(x)
     return Cast(flushed=int((nonzero & (y == 0)).sum()), saturated=int((x.abs() > allowed).sum()),
-                nonzero=int(nonzero.sum()), clipped=amax(x) > allowed)
+                nonzero=int(nonzero.sum()), clipped=math.isfinite(a) and a > allowed)
 
 
 def current_scaling(steps: list[torch.Tensor], dtype: torch.dtype) -> list[Cast]:
@@ -113,22 +118,22 @@ def current_scaling(steps: list[torch.Tensor], dtype: torch.dtype) -> list[Cast]
     out = []
     for x in steps:
         a = amax(x)
-        out.append(cast(x, dtype, _scale(fmax, a), a) if a > 0 else cast(x, dtype, 1.0, fmax))
+        # (a zero or non-finite amax casts at scale 1, as TransformerEngine's compute_scale_from_amax)
+        out.append(cast(x, dtype, _scale(fmax, a), a) if a > 0 and math.isfinite(a) else cast(x, dtype, 1.0, fmax))
     return out
 
 
 def delayed_scaling(steps: list[torch.Tensor], dtype: torch.dtype, history: int) -> list[Cast]:
     """Each step's cast with TransformerEngine's delayed scale: from the maximum of the previous
-    ``history`` steps' amaxes (1 at the first step; kept when that maximum is 0 or not finite)."""
+    ``history`` steps' amaxes (1 at the first step; kept when that maximum is 0; non-finite amaxes left out)."""
     fmax = MAX[dtype]
     amaxes: list[float] = []
     scale, allowed = 1.0, fmax
     out = []
     for x in steps:
-        if amaxes:
-            window = max(amaxes[-history:])
-            if window > 0 and math.isfinite(window):
-                scale, allowed = _scale(fmax, window), window
+        finite = [a for a in amaxes[-history:] if math.isfinite(a)]
+        if finite and max(finite) > 0:
+            scale, allowed = _scale(fmax, max(finite)), max(finite)
         out.append(cast(x, dtype, scale, allowed))
         amaxes.append(amax(x))
     return out

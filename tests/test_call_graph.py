@@ -216,13 +216,14 @@ def test_gradient_hooks_are_reused_on_a_static_model():
     assert hooks[1].keys() == hooks[2].keys() and all(hooks[2][k] is hooks[1][k] for k in hooks[1])
 
 
-def light_step_ops(layers: int, level: str, tmp_path) -> tuple[OpCounter, int]:
-    """The ops one steady (light) step dispatches, and the number of tapped modules."""
+def light_step_ops(layers: int, level: str, tmp_path, fp8: bool = False) -> tuple[OpCounter, int]:
+    """The ops one steady (light) step dispatches, and the number of tapped modules (the GEMM
+    operands for ``ampdoctor fp8`` only with ``fp8``: counted apart below)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=16, d=8, layers=layers, heads=2, context=4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / f"{level}-{layers}.parquet", level=level,
-                                  every=100)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / f"{level}-{layers}-{fp8}.parquet", level=level,
+                                  every=100, fp8=fp8)
     seq = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(1))
     x, y = seq[:, :-1], seq[:, 1:]
 
@@ -262,6 +263,23 @@ def test_a_light_step_dispatches_two_ops_per_tapped_module_and_a_constant(tmp_pa
         extra[layers] = (full.total - params.total) - 2 * modules
     assert extra[1] == extra[3]  # the step-end stacking: the same for any number of modules
     assert extra[1] <= 8  # a stack per dtype, a cat, abs, amax (and views)
+
+
+def test_the_fp8_operands_add_a_reduction_per_weight_and_per_input_no_tap_has_reduced(tmp_path):
+    """Per GEMM layer and step one aminmax of its weight (read at its call, when FSDP has
+    materialised it); its input, where that is the previous tapped output (a LayerNorm's, the
+    GELU's), and its output gradient (which the flight recorder has just reduced) cost none: only
+    the attention projection's input, computed by untapped code (SDPA, a reshape), costs one, once
+    per block. TinyGPT: 4 GEMM layers a block and the head. The step-end stacking is a constant."""
+    extra = {}
+    for layers in (1, 3):
+        on, _ = light_step_ops(layers, "full", tmp_path, fp8=True)
+        off, _ = light_step_ops(layers, "full", tmp_path, fp8=False)
+        gemm_layers = 4 * layers + 1
+        assert on.ops["aminmax"] - off.ops["aminmax"] == gemm_layers + layers
+        extra[layers] = (on.total - off.total) - (gemm_layers + layers)
+    # the step-end stacking (a stack per dtype, a cat, abs, amax) with its views: any depth alike
+    assert extra[1] == extra[3] and extra[1] <= 10
 
 
 def test_a_tensor_seen_again_at_once_is_reduced_once_unless_it_changed():

@@ -102,6 +102,9 @@ REPORT_LINES = {
             "forward_overflow: an activation exceeded the format's range",
             f"event: the loss was nan at step {FAULT} on rank 0",
             f"origin: blocks.1.mlp.0 (output), step {FAULT}, rank 0", "keep `blocks.1.mlp.0` in float32"],
+    "fp8": [f"Trained {STEPS} steps on cpu (weight blown up at step {STEPS // 2})",
+            "Keep `blocks.1.mlp.0`, `blocks.1.mlp.2`", "module_filter_fn=lambda mod, fqn: fqn not in",
+            "Per-block formats are not assessed"],
 }
 
 
@@ -309,3 +312,24 @@ def test_the_eta_comes_from_recent_steps_not_the_warm_up():
         if timer.done == 140:
             assert timer.seconds_left() == pytest.approx(5.0)
     assert timer.seconds_left() == 0 and timer.eta() == "eta 00:00:00"
+
+
+def test_fp8_keeps_the_layer_with_the_outlier_weight_and_the_layer_its_channel_feeds(demos):
+    """The weight of blocks.1.mlp.0 gets one element of 2**12 midway: its recorded amax jumps there,
+    every delayed history clips that step, and current scaling flushes the rest of the weight (kept);
+    the outlier's channel reaches blocks.1.mlp.2's input (kept too); fp16 itself trains on."""
+    path, _ = demos["fp8"]
+    fault = STEPS // 2
+    frame = ampdoctor.load(path)
+    weight = frame[(frame["kind"] == "gemm_weight") & (frame["name"] == "blocks.1.mlp.0")].set_index("step")["amax"]
+    assert weight.loc[:fault - 1].max() < 1 and weight.loc[fault] == 2.0**12  # the very outlier
+    data = ampdoctor.fp8(path)
+    assert data["keep"] == ["blocks.1.mlp.0", "blocks.1.mlp.2"]
+    layer = next(l for l in data["layers"] if l["name"] == "blocks.1.mlp.0")
+    assert [r["operand"] for r in layer["reasons"]] == ["weight"] and layer["reasons"][0]["step"] >= fault
+    op = next(o for o in layer["operands"] if o["operand"] == "weight")
+    assert all(fault in r["clipped_steps"] for r in op["recipes"] if r["recipe"] == "delayed")
+    assert fault in op["unavoidable_clip_steps"]
+    mlp2 = next(l for l in data["layers"] if l["name"] == "blocks.1.mlp.2")
+    assert [r["operand"] for r in mlp2["reasons"]] == ["input"] and mlp2["reasons"][0]["step"] >= fault
+    assert math.isfinite(ampdoctor.load(path).query("kind == 'step'")["loss"].astype(float).iloc[-1])

@@ -16,6 +16,7 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.hooks import ROOT_NAME, select_modules
+from ampdoctor.schema import GEMM_KINDS
 from ampdoctor.analysis.origins import find_origins
 from models import MLP, DeepNet, SharedNet, WithHead, batches, checkpointed, fit, mse, set_at
 
@@ -96,7 +97,7 @@ def test_full_level_needs_a_model(run_path):
 def test_rows_carry_order_call_parent_inputs(run_path):
     torch.manual_seed(0)
     frame = record(DeepNet(), run_path, batches(2))
-    step0 = frame[(frame.step == 0) & (frame.kind != "param")]  # param rows: peaks only
+    step0 = frame[(frame.step == 0) & ~frame.kind.isin(["param", *GEMM_KINDS])]  # param rows: peaks only; GEMM operands: their own
     out = step0[step0.kind == "output"].sort_values("order")
     grads = step0[step0.kind == "grad_output"].sort_values("order")
     assert out.order.tolist() == list(range(len(out))) and grads.order.tolist() == list(range(len(grads)))

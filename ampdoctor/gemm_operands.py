@@ -1,0 +1,133 @@
+"""GEMM operands: what an FP8 recipe would cast, per GEMM layer, recorded at ``level="full"`` for
+``ampdoctor fp8`` (docs/numerics.md, FP8 readiness).
+
+A GEMM layer (``nn.Linear``, ``nn.Conv1d/2d/3d``, transformers' ``Conv1D``) multiplies three
+tensors that FP8 training casts: its input activation and its weight (forward), and the gradient
+w.r.t. its output (backward). Tensorwise recipes scale each from an amax: this step's (current
+scaling) or the largest of earlier ones (delayed scaling, TransformerEngine's amax history). So
+what predicts them is each operand's amax at *every* pass (the history, and whether a step's
+amax exceeded it) and, on module-sampled steps, its distribution finely enough to place a flush
+threshold (:mod:`ampdoctor.stats.fine_hist`).
+
+Per step, from the module taps (:mod:`ampdoctor.hooks`): at each training call of a GEMM layer (its
+forward pre-hook, grad enabled) its input and, at its first call in the step (training or not), its
+weight, as the forward is about to use them (after the optimizer step; under FSDP the unsharded weight, which is
+only materialised then); and each call's output gradient (the tap's own gradient hook hands it on).
+One ``(min, max)`` each, through a :class:`~ampdoctor.light_taps.LightTaps` of their own that shares
+the flight recorder's repeat check: an input that is the previous tapped output, and a gradient the
+flight recorder has just reduced, cost no kernel. Module-sampled steps add a fine histogram of each
+(at most :data:`MAX_FINE_HISTS` a step). Nothing here syncs; the peaks ride the step's copy to the
+host (:mod:`ampdoctor.records`).
+
+Limits: inputs are the first positional argument (or ``input=``/``x=``; float8 and sparse ones are
+not observed); the inputs of calls under ``torch.no_grad()`` (validation) are not training passes and
+are not observed, and neither are those of calls that reentrant activation checkpointing runs under
+``no_grad`` (nor its recomputation in backward; non-reentrant checkpointing's are observed once); a weight under ``torch.nn.utils.parametrize`` is not read (evaluating it outside
+the forward runs its parametrization: ``spectral_norm``'s power iteration would change training);
+a layer whose forward is not called as a module (``nn.MultiheadAttention``'s ``out_proj``) has no
+rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .call_graph import ModuleCall
+from .light_taps import LightTaps, Repeat
+from .records import GemmRecord
+from .stats.fine_hist import fine_hist
+
+INPUT, WEIGHT, GRAD = "gemm_input", "gemm_weight", "gemm_grad_output"  # schema.GEMM_KINDS
+MAX_FINE_HISTS = 4096  # fine histograms kept per step (16 KiB each on the device: 64 MiB at most)
+
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_gemm(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer whose forward is one GEMM (or a convolution, which FP8 recipes
+    could lower to one) of its input and its ``weight``. Reads no weight (a parametrized one would
+    be computed)."""
+    if isinstance(module, (nn.Linear, *_CONVOLUTIONS)):
+        return True
+    # transformers' Conv1D (GPT-2): a linear layer with its weight stored transposed
+    return type(module).__name__ == "Conv1D" and (
+        getattr(module._parameters.get("weight"), "ndim", 0) == 2 or parametrize.is_parametrized(module, "weight"))
+
+
+def layer_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight a GEMM layer's forward is about to use, as this rank holds it (an FSDP2 DTensor
+    shard's local tensor), or None where reading it would compute it (a parametrized weight) or
+    there is none."""
+    if parametrize.is_parametrized(module, "weight"):
+        return None
+    weight = module._parameters.get("weight")
+    if weight is None:  # (FSDP1 without use_orig_params: a plain tensor attribute, a view into its flat parameter)
+        weight = module.__dict__.get("weight")
+    if weight is None:
+        return None
+    to_local = getattr(weight, "to_local", None)
+    weight = to_local() if to_local is not None else weight
+    return weight if weight.is_floating_point() and weight.numel() else None
+
+
+class GemmOperands:
+    """The GEMM operands of the step in progress. Training thread and autograd threads; no sync."""
+
+    def __init__(self, layers: dict[str, nn.Module], repeat: Repeat, limit: int,
+                 inv_scale: Callable[[torch.device], torch.Tensor | None]) -> None:
+        self.layers = layers                                  # name -> module
+        self._taps = LightTaps(limit, repeat)
+        self._inv_scale = inv_scale
+        self.dropped_hists = 0
+        self.start(False)
+
+    def start(self, sampled: bool) -> None:
+        """A new step; ``sampled``: a module-sampled step (fine histograms). No sync."""
+        self._sampled = sampled
+        self._called: set[str] = set()                          # layers whose weight the step has
+        self._hists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (kind, call) -> (counts, zeros)
+
+    def input(self, call: ModuleCall, module: nn.Module, x: torch.Tensor | None, training: bool) -> None:
+        """A call of a GEMM layer begins with input ``x`` (its forward pre-hook): observed when
+        ``training`` (grad enabled); at the layer's first call in the step, its weight too, in any
+        case (the same weight: nothing steps the optimizer in between). No sync."""
+        if training and x is not None:
+            self._taps.add(INPUT, call, -1, x)
+            if self._sampled:
+                self._histogram(INPUT, call, x)
+        if call.name not in self._called:
+            self._called.add(call.name)
+            weight = layer_weight(module)
+            if weight is not None:
+                self._taps.add(WEIGHT, call, -1, weight)
+                if self._sampled:
+                    self._histogram(WEIGHT, call, weight)
+
+    def grad(self, call: ModuleCall, order: int, grad: torch.Tensor) -> None:
+        """The gradient w.r.t. the output of GEMM call ``call`` (still scaled). No sync."""
+        self._taps.add(GRAD, call, order, grad)
+        if self._sampled:
+            self._histogram(GRAD, call, grad, self._inv_scale(grad.device))
+
+    def _histogram(self, kind: str, call: ModuleCall, tensor: torch.Tensor, inv: torch.Tensor | None = None) -> None:
+        if len(self._hists) >= MAX_FINE_HISTS:
+            self.dropped_hists += 1
+            return
+        self._hists[(kind, call.call)] = fine_hist(tensor, inv)
+
+    def finish(self, step: int) -> GemmRecord | None:
+        """The step's operands (device tensors, to be copied to the host), or None when no GEMM
+        layer ran; starts nothing (call :meth:`start`). A few launches; no sync."""
+        light = self._taps.flight_step(step)
+        if light is None:
+            return None
+        device = light.peaks.device
+        hists = list(self._hists.values())
+        return GemmRecord(
+            taps=light.taps, peaks=light.peaks, hist_keys=list(self._hists),
+            hists=torch.stack([h.to(device, non_blocking=True) for h, _ in hists]) if hists else None,
+            zeros=torch.stack([z.to(device, non_blocking=True) for _, z in hists]) if hists else None)
