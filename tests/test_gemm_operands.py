@@ -63,13 +63,18 @@ def _train(model, path, *, steps=4, micro=1, dtype=torch.float16, **options):
                 with torch.autocast("cpu", dtype=dtype):
                     loss = model(x).float().square().mean() / micro
                 scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            _update(scaler, opt)
     finally:
         capture.remove()
         scaler.close()
     return capture, scales
+
+
+def _update(scaler, opt) -> None:
+    """The step's end, as a training loop does it."""
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
 
 
 def _rows(path):
@@ -167,9 +172,7 @@ def test_a_validation_pass_under_no_grad_adds_no_input_row(tmp_path):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(6, 12, generator=gen)).float().square().mean()
             scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            _update(scaler, opt)
         scaler.close()
     rows, _ = _rows(tmp_path / "run")
     inputs = rows[(rows["kind"] == INPUT) & (rows["name"] == "inp")]
@@ -205,9 +208,7 @@ def test_training_is_bit_for_bit_the_plain_scalers(tmp_path):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(6, 12, generator=gen)).float().square().mean()
             scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            _update(scaler, opt)
         if recording:
             scaler.close()
         return [p.detach().clone() for p in model.parameters()]
@@ -271,9 +272,7 @@ def test_a_layer_never_called_as_a_module_is_named_not_assessed(tmp_path):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(2, 5, 16)).float().square().mean()
             scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+            _update(scaler, opt)
         scaler.close()
     data = ampdoctor.fp8(tmp_path / "run")
     assert data["not_called"] == ["0.self_attn.out_proj"] and "not_called" in data["limits"]
