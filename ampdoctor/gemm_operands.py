@@ -20,9 +20,10 @@ flight recorder has just reduced, cost no kernel. Module-sampled steps add a fin
 host (:mod:`ampdoctor.records`).
 
 Limits: inputs are the first positional argument (or ``input=``/``x=``; float8 and sparse ones are
-not observed); the inputs of calls under ``torch.no_grad()`` (validation) are not training passes and
-are not observed, and neither are those of calls that reentrant activation checkpointing runs under
-``no_grad`` (nor its recomputation in backward; non-reentrant checkpointing's are observed once); a weight under ``torch.nn.utils.parametrize`` is not read (evaluating it outside
+not observed); inputs of a forward that began under ``torch.no_grad()`` (a validation pass: grad mode
+at the outermost tapped call) are not training passes and are not observed (a reentrant checkpoint
+or a frozen block under ``no_grad`` inside a training forward is; a checkpoint's recomputation in
+backward is not observed again); a weight under ``torch.nn.utils.parametrize`` is not read (evaluating it outside
 the forward runs its parametrization: ``spectral_norm``'s power iteration would change training);
 a layer whose forward is not called as a module (``nn.MultiheadAttention``'s ``out_proj``) has no
 rows.
@@ -53,9 +54,9 @@ def is_gemm(module: nn.Module) -> bool:
     be computed)."""
     if isinstance(module, (nn.Linear, *_CONVOLUTIONS)):
         return True
-    # transformers' Conv1D (GPT-2): a linear layer with its weight stored transposed
-    return type(module).__name__ == "Conv1D" and (
-        getattr(module._parameters.get("weight"), "ndim", 0) == 2 or parametrize.is_parametrized(module, "weight"))
+    # transformers' Conv1D (GPT-2): a linear layer with its weight stored transposed; known by its
+    # output width `nf` (under FSDP1 its weight is a flat parameter's view, not a 2-D parameter)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def layer_weight(module: nn.Module) -> torch.Tensor | None:
@@ -89,7 +90,7 @@ class GemmOperands:
         """A new step; ``sampled``: a module-sampled step (fine histograms). No sync."""
         self._sampled = sampled
         self._called: set[str] = set()                          # layers whose weight the step has
-        self._hists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (kind, call) -> (counts, zeros)
+        self._hists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (kind, call, order) -> (counts, zeros)
 
     def input(self, call: ModuleCall, module: nn.Module, x: torch.Tensor | None, training: bool) -> None:
         """A call of a GEMM layer begins with input ``x`` (its forward pre-hook): observed when
@@ -98,26 +99,33 @@ class GemmOperands:
         if training and x is not None:
             self._taps.add(INPUT, call, -1, x)
             if self._sampled:
-                self._histogram(INPUT, call, x)
+                self._histogram((INPUT, call.call, -1), x)
         if call.name not in self._called:
             self._called.add(call.name)
             weight = layer_weight(module)
             if weight is not None:
                 self._taps.add(WEIGHT, call, -1, weight)
                 if self._sampled:
-                    self._histogram(WEIGHT, call, weight)
+                    self._histogram((WEIGHT, call.call, -1), weight)
 
     def grad(self, call: ModuleCall, order: int, grad: torch.Tensor) -> None:
         """The gradient w.r.t. the output of GEMM call ``call`` (still scaled). No sync."""
         self._taps.add(GRAD, call, order, grad)
         if self._sampled:
-            self._histogram(GRAD, call, grad, self._inv_scale(grad.device))
+            self._histogram((GRAD, call.call, order), grad, self._inv_scale(grad.device))
 
-    def _histogram(self, kind: str, call: ModuleCall, tensor: torch.Tensor, inv: torch.Tensor | None = None) -> None:
+    @property
+    def dropped(self) -> int:
+        """Peaks not kept this step (beyond the per-step limit), until :meth:`finish`."""
+        return self._taps.dropped
+
+    def _histogram(self, key: tuple, tensor: torch.Tensor, inv: torch.Tensor | None = None) -> None:
+        """``key``: (kind, call, backward order or -1), as the row's (a gradient that arrives
+        twice, under ``retain_graph``, is two rows)."""
         if len(self._hists) >= MAX_FINE_HISTS:
             self.dropped_hists += 1
             return
-        self._hists[(kind, call.call)] = fine_hist(tensor, inv)
+        self._hists[key] = fine_hist(tensor, inv)
 
     def finish(self, step: int) -> GemmRecord | None:
         """The step's operands (device tensors, to be copied to the host), or None when no GEMM

@@ -263,6 +263,7 @@ class ModuleTaps:
         self._forward_order = itertools.count()
         self._backward_order = itertools.count()
         self._stacks: dict[int, list[ModuleCall]] = {}  # thread id -> its call stack
+        self._training: dict[int, bool] = {}  # thread id -> grad mode when its outermost tapped call began
 
     # -- hooks (no sync; a failure goes to the sink's fail()) ---------------------------------
     # They run per tapped call and per output: each attribute lookup and call counts here.
@@ -287,13 +288,15 @@ class ModuleTaps:
             info = self._begin(name, module, args, kwargs)
             observe = self._observe_input
             # Not a checkpoint's recomputation in backward (its forward was seen). Whether the call
-            # trains (grad enabled: not a validation pass under no_grad) goes with it.
+            # trains goes with it: grad mode at the outermost tapped call (a validation pass runs the
+            # whole model under no_grad; a reentrant checkpoint's forward or a frozen block runs under
+            # no_grad inside a training forward).
             if observe is not None and _current_graph_task_id() == -1:
                 x = args[0] if args else kwargs.get("input", kwargs.get("x"))
                 if not (isinstance(x, torch.Tensor) and x.dtype in _TAPPED_DTYPES and x.layout == torch.strided
                         and x.numel()):
                     x = None
-                observe(info, module, x, _is_grad_enabled())
+                observe(info, module, x, self._training.get(_get_ident(), True))
         except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
             self._sink.fail(exc)
         return None
@@ -303,6 +306,8 @@ class ModuleTaps:
         stack = self._stacks.get(_get_ident())
         if stack is None:
             stack = self._stacks.setdefault(_get_ident(), [])
+        if not stack:
+            self._training[_get_ident()] = _is_grad_enabled()
         info = self._graph.begin(name, id(module), stack[-1].call if stack else None, args, kwargs)
         stack.append(info)
         return info

@@ -111,6 +111,7 @@ class Recorder:
         self._light_taps = LightTaps(MAX_TAP_ROWS_PER_STEP)  # light ones (the flight recorder's)
         self._dropped_taps = 0
         self._warned_dropped = False
+        self._warned_hists = False  # (the GEMM operands' fine histograms beyond their cap)
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._plan = StepPlan(options, start_step)
@@ -498,6 +499,7 @@ class Recorder:
         flight_step = self._light_taps.flight_step(self.step)
         copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
         if self._gemm is not None and module_stats is not None:
+            self._dropped_taps += self._gemm.dropped  # (beyond the per-step limit: warned below)
             record.gemm = self._gemm.finish(self.step)
             if record.gemm is not None:
                 _copy_gemm(record.gemm, copy)
@@ -525,8 +527,8 @@ class Recorder:
             self._taps_off(f"no module tap fired in step {self.step} although gradients were "
                            "recorded: the model runs under torch.compile, or model= is not the "
                            "module being trained")
-        if self._gemm is not None and self._gemm.dropped_hists and not self._warned_dropped:
-            self._warned_dropped = True
+        if self._gemm is not None and self._gemm.dropped_hists and not self._warned_hists:
+            self._warned_hists = True
             warnings.warn(f"ampdoctor: more than {MAX_FINE_HISTS} GEMM operands in one module-sampled step; the "
                           "fine histograms of the rest are not recorded (their peaks are)", RuntimeWarning, stacklevel=3)
         if self._dropped_taps and not self._warned_dropped:

@@ -51,7 +51,7 @@ class GemmRecord:
 
     taps: list                        # flat, light_taps.FIELDS entries per input, weight or gradient
     peaks: torch.Tensor               # float32 [taps]
-    hist_keys: list[tuple]            # (kind, call) of each histogram
+    hist_keys: list[tuple]            # (kind, call, backward order or -1) of each histogram
     hists: torch.Tensor | None        # int64 [hist_keys, FINE_BINS]: nonzero elements by fine bin (gradients unscaled)
     zeros: torch.Tensor | None        # int64 [hist_keys]: exact zeros
 

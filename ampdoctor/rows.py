@@ -162,7 +162,7 @@ def _gemm_rows(step: _StepColumns, gemm: GemmRecord) -> Block:
     if gemm.hists is not None:
         where = {key: i for i, key in enumerate(gemm.hist_keys)}
         hists, zeros = gemm.hists.numpy(), gemm.zeros.numpy()
-        index = [where.get((t.kind, t.call.call)) for t in taps]
+        index = [where.get((t.kind, t.call.call, t.order)) for t in taps]
         block["n_zero"] = _objects(n, [None if i is None else int(zeros[i]) for i in index])
         block["fine_hist"] = _objects(n, [None if i is None else hists[i] for i in index])
     return block, n

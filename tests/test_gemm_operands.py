@@ -140,10 +140,9 @@ def test_gradient_accumulation_gives_a_pass_per_micro_batch_and_one_weight_per_s
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
 def test_a_checkpoint_recomputation_adds_no_input_row(mode, tmp_path):
-    """Non-reentrant checkpointing: the forward's input is observed once (not again when backward
-    recomputes it). Reentrant checkpointing runs the forward under no_grad, whose inputs are not
-    training passes (validation is the same): the layer's input is not observed, its weight and
-    output gradient are."""
+    """The forward's input is observed once, not again when backward recomputes it; a reentrant
+    checkpoint runs its forward under no_grad, inside a training forward (grad mode is read at the
+    outermost tapped call, which began with grad enabled): observed too."""
     torch.manual_seed(0)
     model = Net(checkpointed=mode)
     with warnings.catch_warnings():
@@ -151,8 +150,8 @@ def test_a_checkpoint_recomputation_adds_no_input_row(mode, tmp_path):
         _train(model, tmp_path / "run", steps=2)
     rows, _ = _rows(tmp_path / "run")
     mid = rows[rows["name"] == "mid.1"]
-    want = {GRAD: 2, WEIGHT: 2} if mode == "reentrant" else {INPUT: 2, GRAD: 2, WEIGHT: 2}
-    assert mid.groupby("kind")["step"].count().to_dict() == want
+    assert mid.groupby("kind")["step"].count().to_dict() == {INPUT: 2, GRAD: 2, WEIGHT: 2}
+    assert ampdoctor.fp8(tmp_path / "run")["unknown"] == []
 
 
 def test_a_validation_pass_under_no_grad_adds_no_input_row(tmp_path):
@@ -278,3 +277,28 @@ def test_a_layer_never_called_as_a_module_is_named_not_assessed(tmp_path):
     assert data["not_called"] == ["0.self_attn.out_proj"] and "not_called" in data["limits"]
     assert [layer["name"] for layer in data["layers"]] == ["0.linear1", "0.linear2", "1"]
     assert "never called as modules" in " ".join(data.text().split())
+
+
+def test_peaks_beyond_the_per_step_limit_are_warned_not_dropped_silently(tmp_path, monkeypatch):
+    """More GEMM observations in a step than the recorder keeps (a long loop of calls): the rest
+    is counted with the module observations and warned about once."""
+    from ampdoctor import recorder
+
+    monkeypatch.setattr(recorder, "MAX_TAP_ROWS_PER_STEP", 10)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="more than 10 module observations in one step"):
+        _train(Net(), tmp_path / "run", steps=2, micro=4)
+
+
+def test_with_the_flight_recorder_off_the_operands_are_still_recorded_every_step(tmp_path):
+    """flight_steps=0: light steps keep no module peaks for the flight recorder, but the GEMM
+    operands' peaks are still taken every step."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        capture, _ = _train(Net(), tmp_path / "run", steps=4, flight_steps=0)
+    rows, _ = _rows(tmp_path / "run")
+    weights = rows[(rows["kind"] == WEIGHT) & (rows["name"] == "out")].sort_values("step")
+    assert weights["step"].tolist() == [0, 1, 2, 3]
+    assert weights["amax"].tolist() == [pytest.approx(_amax(w), abs=0) for w in capture.operands["out"]["weight"]]
+

@@ -22,7 +22,8 @@ import torch
 from ..fine_bins import FINE_SHIFT
 from ..schema import FINE_BINS
 
-CHUNK = 1 << 24            # elements per pass: bounds the float32 and int32 temporaries (64 MiB each)
+CHUNK = 1 << 24            # elements per pass: bounds the temporaries (float32 and int32 copies, 64 MiB each; the
+                           # accelerators' sort adds its int32 values and int64 indices, 192 MiB, and its scratch)
 _ABS = 0x7FFFFFFF
 
 
