@@ -149,7 +149,12 @@ def float_tensors(value: Any) -> list[torch.Tensor]:
     """The non-empty floating-point dense tensors in a (nested) tuple / list / dict output
     (float8 tensors are skipped: torch has no reductions for them)."""
     tensors = [value] if isinstance(value, torch.Tensor) else tensors_in(value)
-    return [t for t in tensors if t.dtype in _TAPPED_DTYPES and t.layout == torch.strided and t.numel()]
+    return [t for t in tensors if _observable(t)]
+
+
+def _observable(t: torch.Tensor) -> bool:
+    """A dense, non-empty tensor of a floating-point dtype torch reduces (not float8)."""
+    return t.dtype in _TAPPED_DTYPES and t.layout == torch.strided and bool(t.numel())
 
 
 # The floating-point dtypes torch reduces (not float8), as a set: one lookup per tensor.
@@ -293,10 +298,8 @@ class ModuleTaps:
             # no_grad inside a training forward).
             if observe is not None and _current_graph_task_id() == -1:
                 x = args[0] if args else kwargs.get("input", kwargs.get("x"))
-                if not (isinstance(x, torch.Tensor) and x.dtype in _TAPPED_DTYPES and x.layout == torch.strided
-                        and x.numel()):
-                    x = None
-                observe(info, module, x, self._training.get(_get_ident(), True))
+                observe(info, module, x if isinstance(x, torch.Tensor) and _observable(x) else None,
+                        self._training.get(_get_ident(), True))
         except Exception as exc:  # noqa: BLE001 - a tap failure must not reach training
             self._sink.fail(exc)
         return None

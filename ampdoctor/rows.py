@@ -136,26 +136,28 @@ def _flight_rows(flight_step: FlightStep, rank: int) -> Block:
     when the tensor held one); the other statistics are null."""
     step = _StepColumns.of(flight_step.step, rank, read_scalars(flight_step.scalars))
     taps = observations(flight_step.taps)
-    peaks = flight_step.peaks.numpy().astype(np.float32)
-    inv = np.float32(1.0 / np.float64(step.scale))  # as torch's unscale_: fp32 1/scale
-    grads = np.array([t.kind == "grad_output" for t in taps])
-    with np.errstate(over="ignore", invalid="ignore"):
-        amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
+    amax = _unscaled_peaks(taps, flight_step.peaks, step.scale, "grad_output")
     return step.block(_Labels.of_taps(taps), _light_columns(amax), taps=taps)
+
+
+def _unscaled_peaks(taps: list[TapObservation], peaks, scale: float, grad_kind: str) -> np.ndarray:
+    """float32 peaks of light observations (a host tensor), those of kind ``grad_kind`` unscaled by
+    ``scale`` as torch's ``unscale_`` does (times the float32 1/scale: the largest product is the
+    product of the largest)."""
+    peaks = peaks.numpy().astype(np.float32)
+    inv = np.float32(1.0 / np.float64(scale))
+    grads = np.array([t.kind == grad_kind for t in taps], dtype=bool)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.where(grads, peaks * inv, peaks).astype(np.float32)
 
 
 def _gemm_rows(step: _StepColumns, gemm: GemmRecord) -> Block:
     """GEMM operand rows (gemm_operands.py): one per call's input and output gradient, one per
-    called layer's weight; ``amax`` the peak (gradients unscaled by the step's float32 1/scale, as
-    torch's ``unscale_``: the largest product is the product of the largest), ``call`` and, on
-    gradients, the backward ``order``; on module-sampled steps ``n_zero`` and ``fine_hist``."""
+    called layer's weight; ``amax`` the peak (gradients unscaled), ``call`` and, on gradients, the
+    backward ``order``; on module-sampled steps ``n_zero`` and ``fine_hist``."""
     grad_kind = GEMM_KINDS[2]
     taps = observations(gemm.taps)
-    peaks = gemm.peaks.numpy().astype(np.float32)
-    inv = np.float32(1.0 / np.float64(step.scale))
-    grads = np.array([t.kind == grad_kind for t in taps], dtype=bool)
-    with np.errstate(over="ignore", invalid="ignore"):
-        amax = np.where(grads, peaks * inv, peaks).astype(np.float32)
+    amax = _unscaled_peaks(taps, gemm.peaks, step.scale, grad_kind)
     block, n = step.block(_Labels.of_taps(taps), _light_columns(amax))
     block["call"] = _objects(n, [t.call.call for t in taps])
     block["order"] = _objects(n, [t.order if t.kind == grad_kind else None for t in taps])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 
 from .hist_column import HIST_TYPE
@@ -83,6 +85,19 @@ def meta_number(text: str | None) -> int | float | None:
     except ValueError:
         return None
     return int(value) if value.is_integer() else value
+
+
+def meta_names(text: str | None) -> dict[str, str]:
+    """A JSON-object metadata value of names ({module name: class name}: `model.module_types`,
+    `model.gemm_layers`); {} when absent, not JSON or not such an object (entries whose value is
+    not a string are left out)."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, str)}
 
 
 _STRING = pa.dictionary(pa.int32(), pa.string())

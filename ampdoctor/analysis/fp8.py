@@ -30,7 +30,6 @@ The core works on a DataFrame of GEMM rows and the run's metadata (:func:`frame_
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Iterator, Mapping
@@ -42,7 +41,7 @@ from ..errors import RunError
 from ..fine_bins import EDGES, NAN_ONLY_BIN, bin_of, below, count_below  # noqa: F401 - count_below: re-exported
 from ..formats import FLOAT8_E4M3FN, FLOAT8_E5M2, FloatFormat
 from ..run import Run, read_run, to_frame
-from ..schema import (FINE_BINS, GEMM_KINDS, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL, META_RUN_ID,
+from ..schema import (FINE_BINS, GEMM_KINDS, meta_names, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL, META_RUN_ID,
                       ROOT_NAME)
 
 HISTORIES = (1, 16, 1024)       # delayed scaling's histories: 1, torchao's old 16, TransformerEngine's 1024
@@ -580,11 +579,7 @@ def _layer_data(name: str, kind: str | None, seqs: dict[str, int], operand_data:
 
 def _layer_types(metadata: Mapping[str, str]) -> dict[str, str]:
     """``model.gemm_layers``: {layer name: class name}; {} when absent (older runs) or unreadable."""
-    try:
-        types = json.loads(metadata.get(META_GEMM_LAYERS) or "{}")
-    except ValueError:
-        return {}
-    return {str(k): str(v) for k, v in types.items()} if isinstance(types, dict) else {}
+    return meta_names(metadata.get(META_GEMM_LAYERS))
 
 
 def _layer_order(p: Passes, types: Mapping[str, str]) -> list[str]:

@@ -3,13 +3,12 @@ sorted and cut (:func:`layers_data`); the same rows are the ``layers`` of the re
 
 from __future__ import annotations
 
-import json
 import os
 
 import pandas as pd
 
 from ..run import Run
-from ..schema import META_MODULE_TYPES
+from ..schema import META_MODULE_TYPES, meta_names
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .run_analysis import analyse
@@ -49,13 +48,7 @@ def module_types(run: Run) -> dict[str, str]:
     """{module name: class name} from the run's ``model.module_types`` metadata (the modules whose
     name ends in an index); empty for runs without it, or with a value that is not such an object
     (the names then show as they are)."""
-    try:
-        types = json.loads(run.metadata.get(META_MODULE_TYPES) or "{}")
-    except ValueError:
-        return {}
-    if not isinstance(types, dict):
-        return {}
-    return {str(k): str(v) for k, v in types.items() if isinstance(v, str)}
+    return meta_names(run.metadata.get(META_MODULE_TYPES))
 
 
 def module_type(name: str, kind: str, types: dict[str, str]) -> str | None:
