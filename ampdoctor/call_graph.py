@@ -14,14 +14,18 @@ projection's calls). The walk is the one costly part (a transformer block's atte
 is ten nodes from ``qkv``'s output), and it is needed for only a few calls per block.
 
 Passed on or computed. A call whose returned tensor reached this one only after untapped code
-computed with it (an autograd Function called inline, ``x * s``, a matmul, a cast) is stored as
+computed with it (an autograd Function called inline, ``x * s``, a matmul, a cast whose
+backward narrows: ``h.float()`` of a float16 ``h``) is stored as
 ``~call`` (``-1 - call``, :func:`through_untapped`; the run file lists such calls in ``inputs``
 and again in ``computed_inputs``): a non-finite gradient w.r.t. that call's
 output may then have been made by that code's backward, which ran in an enclosing call, not in this
 call's. Untapped nodes whose backward cannot make a finite gradient non-finite (:data:`PASSES`:
 views, reshapes, transposes, slices, splits, copies, ``x + y``, ReLU, tanh, sigmoid: each element
-moved or multiplied by at most 1 in magnitude) are looked through: a tensor made by those alone
-from a tapped output counts as that output. Telling them apart costs nothing on the common path
+moved or multiplied by at most 1 in magnitude; :data:`CASTS` whose backward keeps or widens the
+range: ``h.half()`` of a float32 ``h``, whose backward casts a float16 gradient to float32) are
+looked through: a tensor made by those alone from a tapped output counts as that output. Unpacking
+a returned tuple, list or ``ModelOutput`` makes no autograd node: the element is the returned
+tensor itself. Telling them apart costs nothing on the common path
 (the argument is a tapped output, unchanged) and a dictionary lookup per node the walk meets before
 the first node that computes.
 
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -57,7 +61,7 @@ MAX_WALK = 64             # autograd nodes visited per argument when looking for
 
 # Autograd nodes whose backward cannot make a finite gradient non-finite: it moves the gradient's
 # elements or multiplies each by a factor of magnitude at most 1 (not expand, gather or as_strided,
-# which sum elements; not a dtype cast, which overflows a float32 gradient beyond float16's range).
+# which sum elements; dtype casts are decided per node: CASTS).
 PASSES = frozenset({
     "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "TBackward0",
     "TransposeBackward0", "TransposeBackward1", "PermuteBackward0", "SqueezeBackward0", "SqueezeBackward1",
@@ -71,9 +75,22 @@ PASSES = frozenset({
 # input's dtype: fp32 residual + fp16 branch hands the branch a float32 gradient cast to fp16).
 SCALED_PASSES = {"AddBackward0": "_saved_alpha", "SubBackward0": "_saved_alpha", "RsubBackward0": "_saved_alpha",
                  "RsubBackward1": "_saved_alpha", "LeakyReluBackward0": "_saved_negative_slope"}
-_passing: dict[type, bool | str] = {}  # node type -> passes, or the name of its factor (one store per key: no lock)
+# Casts (``.half()``, ``.float()``, ``.to(dtype)``, autocast's casts, device moves). The backward of
+# a cast is the cast the other way, from the output's dtype to the input's: it can overflow only
+# when the input's format has the smaller range (a forward float16 -> float32 cast: a float32
+# gradient beyond 65504 becomes inf). A forward float32 -> float16 or -> bfloat16 cast, or one
+# that keeps the dtype, hands on the gradient in a format at least as wide: it passes, decided per
+# node from the dtypes (:func:`_cast_passes`). Counting those as computing would name the enclosing
+# call for an overflow in the next module's backward (a module run in float32, an LSTM, whose
+# output the model casts to float16 for the next one).
+CASTS = frozenset({"ToCopyBackward0"})
+# Node type -> True or False (passes or not, whatever the node), or the function that decides per
+# node: a node of SCALED_PASSES (its factor and dtypes) or of CASTS (its dtypes). One store per
+# key: no lock.
+_passing: dict[type, bool | Callable[[Any], bool]] = {}
 
 _Tensor = torch.Tensor
+_finfo = torch.finfo
 
 
 def through_untapped(source: int) -> bool:
@@ -88,15 +105,25 @@ _NUMBERS = (int, float)
 
 def _passes(node) -> bool:
     """Whether ``node``'s backward cannot make a finite gradient non-finite (:data:`PASSES`,
-    :data:`SCALED_PASSES`; the answer per node type is cached). No sync."""
+    :data:`SCALED_PASSES`, :data:`CASTS`; the answer, or the function deciding it per node, is
+    cached per node type). No sync."""
     kind = type(node)
     passes = _passing.get(kind)
     if passes is None:
-        name = kind.__name__
-        passes = _passing[kind] = SCALED_PASSES.get(name, name in PASSES)
+        passes = _passing[kind] = _rule(kind.__name__)
     if passes is True or passes is False:
         return passes
-    return _scaled_passes(node, passes)
+    return passes(node)
+
+
+def _rule(name: str) -> bool | Callable[[Any], bool]:
+    """What :data:`_passing` holds for the node type ``name``."""
+    if name in CASTS:
+        return _cast_passes
+    factor_name = SCALED_PASSES.get(name)
+    if factor_name is not None:
+        return lambda node: _scaled_passes(node, factor_name)
+    return name in PASSES
 
 
 def _scaled_passes(node, factor_name: str) -> bool:
@@ -109,6 +136,20 @@ def _scaled_passes(node, factor_name: str) -> bool:
         dtype = node._input_metadata[0].dtype
         return all(nxt is None or nxt._input_metadata[i].dtype == dtype for nxt, i in node.next_functions)
     except (AttributeError, IndexError):  # (a torch without the metadata: counted as computing)
+        return False
+
+
+def _cast_passes(node) -> bool:
+    """Whether a cast (:data:`CASTS`) passes: its backward casts the gradient from its output's
+    dtype to its input's, which cannot overflow when the input's format reaches at least as far
+    as the output's (float16 -> float32, bfloat16 -> float32, float16 -> bfloat16, the same dtype;
+    not float32 -> bfloat16, whose largest value is just below float32's). Autograd's metadata
+    only: no sync."""
+    try:
+        reach = _finfo(node._input_metadata[0].dtype).max
+        return all(nxt is None or _finfo(nxt._input_metadata[i].dtype).max >= reach
+                   for nxt, i in node.next_functions)
+    except (AttributeError, IndexError, TypeError):  # (no metadata, or not a floating dtype: computing)
         return False
 
 

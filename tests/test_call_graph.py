@@ -190,6 +190,78 @@ def test_inputs_say_whether_untapped_code_computed_with_the_tensor():
         "cast": computed, "expand": computed, "mixed": computed, "dtypes": computed}
 
 
+class Same(nn.Module):
+    """Returns its input in the dtype it came in (a tapped module of any dtype: no parameters)."""
+
+    def forward(self, x):
+        return x * 1
+
+
+CASTS = {  # (forward from, to): whether the cast passes gradients on (its backward: to -> from)
+    (torch.float32, torch.float16): True,     # fp16 -> fp32: widens
+    (torch.float32, torch.bfloat16): True,    # bf16 -> fp32: widens
+    (torch.bfloat16, torch.float16): True,    # fp16 -> bf16: its range is wider
+    (torch.float64, torch.float32): True,
+    (torch.float32, torch.float32): True,     # a copy (``copy=True``): keeps the dtype
+    (torch.float16, torch.float32): False,    # fp32 -> fp16: overflows beyond 65504
+    (torch.bfloat16, torch.float32): False,   # fp32 -> bf16: bf16's largest value is below fp32's
+    (torch.float16, torch.bfloat16): False,   # bf16 -> fp16: overflows beyond 65504
+    (torch.float32, torch.float64): False,
+}
+
+
+@pytest.mark.parametrize(("source", "target"), list(CASTS), ids=lambda d: str(d).removeprefix("torch."))
+def test_a_cast_passes_when_its_backward_keeps_or_widens_the_range(source, target):
+    """A cast's backward is the cast the other way: the consumer of a cast tapped output lists the
+    producer as passed on when that backward cannot overflow, as ``~call`` when it can."""
+    model = nn.Module()
+    model.a, model.b = Same(), Same()
+    sink = Recording()
+    taps = ModuleTaps(model, None, sink)
+    taps.install()
+    x = torch.randn(4, 16, dtype=source, requires_grad=True)
+    out = model.b(model.a(x).to(target, copy=True))
+    out.float().sum().backward()
+    taps.remove()
+    calls = {c.name: c for kind, _, c in sink.seen if kind == "output"}
+    a = calls["a"].call
+    assert out.dtype == target and calls["b"].inputs == ((a,) if CASTS[source, target] else (~a,))
+
+
+def test_unpacking_a_returned_tuple_or_model_output_passes():
+    """A module returns a tuple, or a Hugging Face ``ModelOutput``: the element a consumer
+    receives, unpacked, sliced or split, is that call's output, passed on."""
+    transformers = pytest.importorskip("transformers")
+
+    class Pair(nn.Module):
+        def __init__(self, hf: bool) -> None:
+            super().__init__()
+            self.lin, self.hf = nn.Linear(16, 16), hf
+
+        def forward(self, x):
+            h = self.lin(x) + 1  # (not the child's output: the consumers received this call's only)
+            if self.hf:
+                return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=h, hidden_states=(x, h))
+            return h, torch.tanh(h)
+
+    for hf in (False, True):
+        model = nn.Module()
+        model.pair, model.first, model.sliced, model.split = Pair(hf), Same(), Same(), Same()
+        sink = Recording()
+        taps = ModuleTaps(model, None, sink)
+        taps.install()
+        out = model.pair(torch.randn(4, 16))
+        h = out.last_hidden_state if hf else out[0]
+        second = out.hidden_states[1] if hf else out[1]
+        total = model.first(h).sum() + model.sliced(second[1:, :8]).sum() + model.split(h.unbind(0)[2]).sum()
+        total.backward()
+        taps.remove()
+        calls = {c.name: c for kind, _, c in sink.seen if kind == "output"}
+        pair = calls["pair"].call
+        assert {n: calls[n].inputs for n in ("first", "sliced", "split")} == {
+            "first": (pair,), "sliced": (pair,), "split": (pair,)}, hf
+
+
 def test_a_static_model_makes_no_new_call_objects_after_its_first_step():
     """Objects that outlive a step set off Python's garbage collector: the facts of a call and
     its gradient hook are the previous step's when nothing changed."""

@@ -11,6 +11,7 @@ import torch
 import ampdoctor
 from ampdoctor.analysis.origins import OUTSIDE, find_origins, nonfinite_rows
 from ampdoctor.analysis.report import report_data
+from ampdoctor.call_graph import tensors_in
 from ampdoctor.render import contract
 from models import Amplify, CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 
@@ -474,3 +475,152 @@ def test_overflow_through_computing_inline_code_names_the_enclosing_call(between
     # The amplifier's output gradient was finite, the gradient into block.a was not.
     assert not nonfinite_rows(rows(frame, K, "grad_output", "block.amp")).any()
     assert nonfinite_rows(rows(frame, K, "grad_output", "block.a")).all()
+
+
+# -- dtype casts in untapped code: a cast passes when its backward keeps or widens the range ------
+
+class GradientTruth:
+    """The test's own ground truth: tensor hooks (no autograd node added) on the float inputs and
+    outputs of every submodule, per step. A module *made* a non-finite gradient at a step when
+    every gradient w.r.t. its outputs was finite and one w.r.t. its inputs was not."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.step = 0
+        self.seen: dict[tuple[int, str], dict[str, list[bool]]] = {}
+        for name, module in model.named_modules():
+            if name:
+                module.register_forward_hook(self._watch(name))
+
+    def _watch(self, name: str):
+        def forward_hook(module, args, out):
+            seen = self.seen.setdefault((self.step, name), {"output": [], "input": []})
+            for what, values in (("input", args), ("output", out)):
+                for t in tensors_in(values):
+                    if t.is_floating_point() and t.requires_grad:
+                        t.register_hook(lambda g, flags=seen[what]: flags.append(bool(torch.isfinite(g).all())))
+        return forward_hook
+
+    def made(self, step: int) -> set[str]:
+        return {name for (s, name), seen in self.seen.items()
+                if s == step and all(seen["output"]) and seen["output"] and not all(seen["input"])}
+
+
+class Amplifier(torch.nn.Module):
+    """An autograd Function (identity forward) wrapped in a module: its backward multiplies the
+    gradient by ``factor``, in the gradient's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return Amplify.apply(x, self.factor)
+
+
+class LSTMLM(torch.nn.Module):
+    """``Embedding -> LSTM -> grl -> Linear``. The LSTM runs in float32 (autocast off: oneDNN's
+    LSTM refuses float16 autocast on the CPU) and the model casts its output to float16 for
+    ``grl`` (forward fp32 -> fp16: the backward widens the gradient to float32). The tuple the LSTM
+    returns is unpacked; with ``sliced``, ``grl`` receives one position of the cast output, taken
+    by views."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, sliced: bool = False) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.lstm = torch.nn.LSTM(d, d, batch_first=True)
+        self.grl = Amplifier()
+        self.head = torch.nn.Linear(d, vocab)
+        self.sliced = sliced
+
+    def forward(self, idx):
+        with torch.autocast("cpu", enabled=False):
+            out, _ = self.lstm(self.emb(idx).float())
+        h = out.half()
+        if self.sliced:
+            h = h[:, 1:].transpose(0, 1)[0]  # a slice, a transpose, a select: views
+        return self.head(self.grl(h))
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["cast", "cast-unpacked-sliced"])
+def test_a_cast_whose_backward_widens_passes_the_gradient_on(sliced, run_path):
+    """Issue 37: an fp32 -> fp16 cast between the LSTM and ``grl`` (whose backward makes the
+    gradient inf from step K on: a run of skipped steps for the postmortem) cannot make a gradient
+    non-finite: its backward casts fp16 -> fp32. ``grl`` is named, not the model whose forward ran
+    the cast."""
+    torch.manual_seed(0)
+    vocab, steps = 32, K + 6
+    model = LSTMLM(vocab, sliced=sliced)
+    truth = GradientTruth(model)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.GradScaler("cpu", model=model, path=run_path, level="full", every=1, amp_dtype=torch.float16,
+                              **QUIET) as scaler:
+        for step in range(steps):
+            truth.step = step
+            model.grl.factor = 1e8 if step >= K else 1.0
+            idx = torch.randint(0, vocab, (2, 9), generator=gen)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(idx[:, :-1])
+            target = idx[:, 2] if sliced else idx[:, 1:]  # (sliced: the token after input position 1)
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), target.reshape(-1))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    # Ground truth from the test's own hooks: only grl's backward made a gradient non-finite.
+    assert [truth.made(step) for step in range(steps)] == [set()] * K + [{"grl"}] * (steps - K)
+    frame = ampdoctor.load(run_path)
+    origins = find_origins(frame)
+    assert [o.step for o in origins] == list(range(K, steps))
+    for o in origins:
+        assert o.forward is None
+        assert (o.overflow.name, o.overflow.kind, o.overflow.tensor) == ("grl", "grad_output", "lstm")
+    # The record: grl received the LSTM's output through the cast, as passed on, not computed.
+    grl = rows(frame, K, "output", "grl").iloc[0]
+    assert list(grl["inputs"]) == [call_of(frame, K, "lstm")] and list(grl["computed_inputs"]) == []
+    pm = ampdoctor.postmortem(run_path)
+    assert (pm["cause"], pm["event"]["kind"]) == ("backward_overflow", "skip_run")
+    assert pm["origin"] == {"name": "grl", "kind": "grad_output", "rank": 0, "step": K}
+
+
+def test_a_cast_whose_backward_narrows_computes(run_path):
+    """The other way: ``block.a``'s fp16 output cast to fp32 (``.float()``) in the model's own
+    forward before an amplifier whose float32 backward stays finite (×1e8); the cast's backward,
+    fp32 -> fp16, overflows. The cast made the non-finite gradient, in the model's forward: the
+    model is named, not the amplifier."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(16, 16)
+            self.block = torch.nn.Module()
+            self.block.a, self.block.amp = torch.nn.Linear(16, 16), Amplifier()
+            self.head = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = self.block.a(self.inp(x))
+            wide = h.float()
+            self.casts.append((h.dtype, wide.dtype))
+            return self.head(self.block.amp(wide))
+
+    torch.manual_seed(0)
+    model = Net()
+    model.casts = []
+    truth = GradientTruth(model)
+
+    def before_step(i):
+        truth.step = i
+        model.block.amp.factor = 1e8 if i == K else 1.0
+
+    frame = record(model, run_path, before_step=before_step)
+    assert set(model.casts) == {(torch.float16, torch.float32)}
+    # Ground truth: no module made the non-finite gradient at K (the amplifier's float32 backward
+    # was finite), yet block.a's output gradient was inf: the cast between them made it.
+    assert truth.made(K) == set()
+    assert truth.seen[(K, "block.amp")] == {"output": [True], "input": [True]}
+    assert truth.seen[(K, "block.a")]["output"] == [False]
+    (o,) = find_origins(frame)
+    assert o.step == K and o.forward is None
+    assert (o.overflow.name, o.overflow.tensor) == ("(model)", "block.a")
+    amp = rows(frame, K, "output", "block.amp").iloc[0]
+    a_call = call_of(frame, K, "block.a")
+    assert list(amp["inputs"]) == [a_call] and list(amp["computed_inputs"]) == [a_call]
