@@ -390,7 +390,13 @@ class Recorder:
             else:
                 stats = light_stats(tensors, inv_scale=inv)
             measured = probe.counts(tensors) if probe is not None and full else None
-            self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats, measured))
+            lost = None
+            if measured is not None:
+                # The magnitudes of what underflowed: where a higher scale would still lose them
+                # (analysis/calibration.py). Measured steps only; the shadows' last use.
+                lost = full_stats(probe.lost_values(tensors), inv_scale=inv, subnormal_below=below,
+                                  hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins)
+            self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats, measured, lost))
 
     def _watched(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether our step pre-hook is on ``optimizer`` (not on a freed one that had its id)."""
@@ -505,8 +511,12 @@ class Recorder:
                 _copy_gemm(record.gemm, copy)
         record.scalars = copy(scalars) if scalars is not None else None
         items = (*record.groups, *record.taps)
-        for item, stats in zip(items, stats_to_host([item.stats for item in items], copy)):
+        lost = [g for g in record.groups if g.lost is not None]
+        copied = stats_to_host([item.stats for item in items] + [g.lost for g in lost], copy)
+        for item, stats in zip(items, copied):
             item.stats = stats  # (one copy for all the packed statistics of a device)
+        for group, stats in zip(lost, copied[len(items):]):
+            group.lost = stats
         for group in record.groups:
             if group.measured is not None:
                 group.measured = copy(group.measured)

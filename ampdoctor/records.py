@@ -27,6 +27,7 @@ class GroupRecord:
     numels: np.ndarray
     stats: FullStats | LightStats     # full statistics when the plan says so, else light ones
     measured: torch.Tensor | None = None  # int64 [tensors]: measured underflow (-1: not measured); None: not a measured step
+    lost: FullStats | None = None  # measured steps: full statistics of what underflowed (its histogram: underflow_hist)
 
 
 @dataclass

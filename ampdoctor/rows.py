@@ -48,10 +48,15 @@ def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: i
             labels.extend("param_grad", g.names, g.dtype, g.numels.tolist())
         stats.append(merged)
     measured = _measured(record.groups)
+    lost_hists = None
     if measured is not None:  # the step row: all of them, when every one was measured
-        measured = [int(measured.sum()) if (measured >= 0).all() else -1] + (
-            measured.tolist() if record.per_tensor else [])
-    blocks = [step.block(labels, _stat_columns(HostStats.concat(stats)), losses=[scalars.loss], measured=measured)]
+        lost_hists = _lost_hists(record.groups, measured, hist_bins)
+        every = (measured >= 0).all()
+        lost_hists = [lost_hists.sum(axis=0) if every else None] + (
+            [h if m >= 0 else None for h, m in zip(lost_hists, measured)] if record.per_tensor else [])
+        measured = [int(measured.sum()) if every else -1] + (measured.tolist() if record.per_tensor else [])
+    blocks = [step.block(labels, _stat_columns(HostStats.concat(stats)), losses=[scalars.loss], measured=measured,
+                         lost_hists=lost_hists)]
     if record.taps:
         tap_stats = HostStats.concat([t.stats.decode() for t in record.taps])
         blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(tap_stats), taps=record.taps,
@@ -101,7 +106,8 @@ class _StepColumns:
         return cls(step, rank, scalars.scale, scalars.skipped)
 
     def block(self, labels: _Labels, stats: dict[str, np.ndarray], *, losses: list | None = None,
-              taps: list[TapObservation] | None = None, measured: list[int] | None = None) -> Block:
+              taps: list[TapObservation] | None = None, measured: list[int] | None = None,
+              lost_hists: list | None = None) -> Block:
         """One block of rows with every column of the schema; ``taps`` give the module rows'
         call structure (``order``, ``call``, ``parent``, ``inputs``, ``computed_inputs``), null on
         other rows;
@@ -120,6 +126,7 @@ class _StepColumns:
             "loss": _objects(n, losses),
             **stats,
             "n_underflow": _objects(n, None if measured is None else [None if v < 0 else v for v in measured]),
+            "underflow_hist": _objects(n, lost_hists),
             "call": _objects(n, None if taps is None else [t.call.call for t in taps]),
             "parent": _objects(n, None if taps is None else [t.call.parent for t in taps]),
             # (the call graph marks an input reached through computing code as ~call: two columns here)
@@ -192,6 +199,18 @@ def _measured(groups: list) -> np.ndarray | None:
         return None
     return np.concatenate([g.measured.numpy() if g.measured is not None else np.full(len(g.names), -1)
                            for g in groups]).astype(np.int64)
+
+
+def _lost_hists(groups: list, measured: np.ndarray, bins: int) -> np.ndarray:
+    """int64 [parameter gradients, bins]: each measured gradient's underflowed elements by binade
+    (``underflow_hist``), in row order; zeros where not measured."""
+    parts = []
+    for g in groups:
+        if g.lost is not None:
+            parts.append(np.asarray(g.lost.decode().hist, dtype=np.int64).reshape(len(g.names), -1))
+        else:
+            parts.append(np.zeros((len(g.names), bins), dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros((len(measured), bins), dtype=np.int64)
 
 
 def _objects(n: int, values=None) -> np.ndarray:

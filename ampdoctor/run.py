@@ -409,7 +409,7 @@ def _with_columns(data, columns: Sequence[str], hist_bins: int):
     def column(name: str):
         if name not in data.column_names:
             return pa.nulls(n, COLUMN_TYPES[name])
-        if name == "hist":
+        if name in ("hist", "underflow_hist"):
             return as_hist_column(data.column(name), hist_bins)
         if name not in COLUMN_TYPES:  # another tool's extra column, as it is
             return data.column(name)

@@ -133,6 +133,10 @@ def run_schema(metadata: dict[str, str] | None = None) -> pa.Schema:
         # underflow, measured (measured steps, `measure_every`; underflow_probe.py). Null where not
         # measured, and in runs written before it existed.
         pa.field("n_underflow", pa.int64()),
+        # Measured rows of parameter gradients (and the step row, when all were measured): the
+        # elements counted in `n_underflow` by the binade of their float32 shadow's magnitude,
+        # unscaled, as `hist` bins them. Null elsewhere and in runs written before it existed.
+        pa.field("underflow_hist", HIST_TYPE),
         # Module rows (`output`, `grad_output`) only: the module call's number in the step (in the
         # order calls began), its enclosing tapped call, and the calls whose returned tensors it
         # received as arguments. Null on other rows.

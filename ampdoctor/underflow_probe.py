@@ -132,6 +132,23 @@ class ShadowBackward(TorchDispatchMode):
         with self.paused():
             return ((real == 0) & (shadow != 0)).sum()
 
+    def lost_values(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """For each of ``tensors``, its shadow's values where the real tensor is 0 (what
+        underflowed, at its float32 magnitude), 0 elsewhere, as float32; an empty tensor where
+        there is no usable shadow. Written into the shadows themselves (so they hold nothing more
+        after it: call it last, once the step's counts are taken): no second float32 copy of every
+        gradient. Runs paused. No sync."""
+        out = []
+        with self.paused(), torch.no_grad():
+            for t in tensors:
+                shadow = self.shadow(t)
+                if shadow is None:
+                    out.append(torch.zeros(0, dtype=torch.float32, device=t.device))
+                    continue
+                self._shadows[t] = UNMEASURED  # (its values are no longer the gradient's shadow)
+                out.append(shadow.masked_fill_(t != 0, 0).float())
+        return out
+
     def counts(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """int64 ``[len(tensors)]`` of :meth:`count` on one device, -1 where a tensor is not
         measured; None when none is. Runs paused. No sync."""

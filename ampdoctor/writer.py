@@ -158,7 +158,7 @@ class Columns:
         arrays = []
         for f in schema:
             parts = self.data.get(f.name, [])
-            if f.name == "hist":
+            if f.name in ("hist", "underflow_hist"):
                 arrays.append(hist_array(parts, hist_bins))
             elif f.name == "fine_hist":
                 arrays.append(hist_array(parts, FINE_BINS))

@@ -110,6 +110,7 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank, version) -> p
         "hist": (hist_array([hist], HIST_BINS) if version == 2 else
                  pa.FixedSizeListArray.from_arrays(pa.array(hist.ravel(), pa.int32()), HIST_BINS)),
         "n_zero_lines": pa.array(np.zeros(n, np.int64)), "n_underflow": pa.nulls(n, pa.int64()),
+        "underflow_hist": pa.nulls(n, pa.list_(pa.int64())),
         "call": pa.nulls(n, pa.int32()), "parent": pa.nulls(n, pa.int32()),
         "inputs": pa.nulls(n, pa.list_(pa.int32())), "computed_inputs": pa.nulls(n, pa.list_(pa.int32())),
         "fine_hist": pa.nulls(n, pa.list_(pa.int64())),

@@ -410,3 +410,119 @@ def overall(truth: dict[str, Truth]) -> float:
 def true_rate(arch: Arch, step: int, scale: float, loss_factor: float = 1.0) -> float:
     """The true underflow of ``step``'s batch on the model's current weights at loss scale ``scale``."""
     return overall(true_underflow(arch, step, amp_grads(arch, step, scale, loss_factor), loss_factor))
+
+
+@dataclass
+class RunTruth:
+    """What :func:`train_recorded` measured beside a recorded run.
+
+    ``params[step]`` / ``outputs[step]``: per parameter / module, the truth of that step's AMP
+    backward (:func:`true_underflow`, :func:`true_output_underflow`), on the steps the recorder gave
+    full statistics (parameter gradients) and full module statistics (output gradients), leaving out
+    a tensor that held an inf or NaN (the report does not judge those). ``applied[step]``: the lost
+    and all elements over every parameter gradient of each applied (not skipped) step, where
+    ``every_step_truth`` asked for it. ``scales[step]``: the loss scale the step's backward used."""
+
+    params: dict[int, dict[str, Truth]]
+    outputs: dict[int, dict[str, Truth]]
+    applied: dict[int, tuple[int, int, int]]  # step -> (lost, undecided, numel)
+    scales: dict[int, float]
+
+    def averaged(self, kind: str = "param_grad") -> dict[str, Truth]:
+        """Per tensor, the truth summed over the judged steps, as the report's layers table sums
+        the rows of its sampled steps."""
+        out: dict[str, Truth] = {}
+        for per_step in (self.params if kind == "param_grad" else self.outputs).values():
+            for name, t in per_step.items():
+                s = out.setdefault(name, Truth(0, 0, 0))
+                s.lost, s.undecided, s.numel = s.lost + t.lost, s.undecided + t.undecided, s.numel + t.numel
+        return out
+
+    def run_rate(self) -> tuple[float, float]:
+        """(lost, lost + undecided) over all elements of the applied steps' parameter gradients."""
+        lost = sum(v[0] for v in self.applied.values())
+        undecided = sum(v[1] for v in self.applied.values())
+        numel = sum(v[2] for v in self.applied.values()) or 1
+        return lost / numel, (lost + undecided) / numel
+
+
+def train_recorded(name: str, path, steps: int, *, init_scale: float, loss_factor: float = 1.0,
+                   lr: float = 1e-3, seed: int = 0, outputs: bool = True, every_step_truth: bool = False,
+                   loss_factor_at=None, **settings) -> RunTruth:
+    """Train architecture ``name`` for ``steps`` fp16 AMP steps with Adam, recorded to ``path`` at
+    ``level="full"`` with the recorder's defaults unless ``settings`` say otherwise (``every``,
+    ``measure_every``, ...; the scale held unless ``growth_interval`` is given), and measure the
+    truth beside it: before each step the recorder gives full statistics, a second copy of the
+    model takes the training weights and runs the step's batch in float32 and float64 (and, for the
+    module output gradients, in fp16 at the step's scale), with hooks of its own; the training
+    model's AMP gradients are read after its backward. ``loss_factor_at(step)``, when given,
+    multiplies the loss factor per step (gradients that shrink over the run)."""
+    import ampdoctor
+
+    arch, ref = build(name, seed), build(name, seed)
+    model = arch.model
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    settings.setdefault("growth_interval", 10**6)
+    scaler = ampdoctor.GradScaler("cpu", init_scale=init_scale, model=model, path=path, amp_dtype=torch.float16,
+                                  level="full", **settings)
+    plan = scaler.recorder._plan
+    truth = RunTruth({}, {}, {}, {})
+    try:
+        for step in range(steps):
+            factor = loss_factor * (loss_factor_at(step) if loss_factor_at is not None else 1.0)
+            scale = float(scaler.get_scale())
+            truth.scales[step] = scale
+            full = plan.gradient_stats(step) == "full"
+            module_full = outputs and plan.module_stats(step) == "full"
+            refs = None
+            if full or every_step_truth:
+                ref.model.load_state_dict(model.state_dict())
+                refs = fp32_grads(ref, step, factor), fp64_grads(ref, step, factor)
+            if module_full:
+                truth.outputs[step] = {n: t for n, t in _output_truth(ref, step, scale, factor).items()}
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = arch.loss(model, step) * factor
+            scaler.scale(loss).backward()
+            if refs is not None:
+                amp = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+                judged = {n: Truth(*_judge(amp.get(n), r, refs[1][n]), r.numel()) for n, r in refs[0].items()}
+                finite = {n for n, g in amp.items() if bool(torch.isfinite(g).all())}
+                skipped = len(finite) < len(amp)
+                if full:
+                    truth.params[step] = {n: t for n, t in judged.items() if n in finite or n not in amp}
+                if every_step_truth and not skipped:
+                    truth.applied[step] = (sum(t.lost for t in judged.values()),
+                                           sum(t.undecided for t in judged.values()),
+                                           sum(t.numel for t in judged.values()))
+            scaler.step(opt)
+            scaler.update()
+    finally:
+        scaler.close()
+    return truth
+
+
+def _output_truth(arch: Arch, step: int, scale: float, loss_factor: float) -> dict[str, Truth]:
+    """:func:`true_output_underflow`, leaving out modules whose AMP output gradient held an inf or
+    NaN (not judged by the report)."""
+    _, amp = _backward(arch.model, arch, step, loss_factor, scale, outputs=True)
+    bad = {n for n, grads in amp.items() if any(g is not None and not bool(torch.isfinite(g).all()) for g in grads)}
+    return {n: t for n, t in true_output_underflow(arch, step, scale, loss_factor).items() if n not in bad}
+
+
+def record_one_step(arch: Arch, path, scale: float, factor: float, measure_every: int = 1) -> dict[str, torch.Tensor]:
+    """One recorded fp16 step at ``level="full"``, every statistic on (weights unchanged: lr 0);
+    returns the unscaled AMP parameter gradients."""
+    import ampdoctor
+
+    model = arch.model
+    scaler = ampdoctor.GradScaler("cpu", init_scale=scale, growth_interval=10**6, model=model, path=path,
+                                  amp_dtype=torch.float16, level="full", every=1, measure_every=measure_every)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = arch.loss(model, 0) * factor
+    scaler.scale(loss).backward()
+    grads = {n: p.grad.detach().clone() / scale for n, p in model.named_parameters() if p.grad is not None}
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.0))
+    scaler.update()
+    scaler.close()
+    return grads

@@ -21,10 +21,11 @@ def test_underflow_scenario_names_the_underflowing_layers_first(scenarios):
     top = [layer["name"] for layer in layers[:2]]
     assert set(top) == {"side.weight", "side.bias"}, top
     # Their gradients are 0 everywhere: no magnitude says how far below the cut-off they were, so
-    # the estimate of the sampled steps is unknown (only its upper bound, every element, is
-    # given); the measured step (step 0 by default) settles it: every element underflowed.
+    # the heuristic's estimate of a sampled step is unknown; the measured step (step 0 by
+    # default) settles it (every element underflowed, none is structure) and calibrates step 100:
+    # its zeros, less no structure, underflowed too, a figure 100 steps from its measurement.
     assert layers[0]["underflow_rate"] == 1.0 and layers[0]["underflow_rate_max"] == 1.0
-    assert layers[0]["underflow_measured"] == 1.0  # (step 100's estimate is unknown: not judged)
+    assert layers[0]["underflow_measured"] == 0.5 and layers[0]["measure_distance"] == 100
     assert all(layer["underflow_rate"] <= layer["zero_rate"] + 1e-12 for layer in layers
                if layer["underflow_rate"] is not None)
 
@@ -131,12 +132,13 @@ def test_runs_without_module_types_show_the_names_as_they_are(tmp_path):
 
 
 def test_every_format_marks_measured_rates(scenarios):
-    """The underflow scenario's step 0 is measured (its rates marked ``*``) in the terminal,
-    Markdown and HTML reports, each with the legend; a run measured nowhere shows no mark."""
+    """The underflow scenario's step 0 is measured and calibrates step 100 (its rates marked ``~``,
+    part measured) in the terminal, Markdown and HTML reports, each with the legend; a run
+    measured nowhere shows no mark."""
     from ampdoctor import render
 
     data = scenarios["underflow"][2]
-    for fmt, mark in (("text", "100%*"), ("md", "100%\\*"), ("html", "100%*")):
+    for fmt, mark in (("text", "100%~"), ("md", "100%\\~"), ("html", "100%~")):
         out = render.report(data, fmt)
         assert mark in out and "underflow: " in out and "measured on some steps" in out, fmt
     unmeasured = {**data, "layers": [{**layer, "underflow_measured": None} for layer in data["layers"]]}

@@ -145,8 +145,10 @@ def test_the_underflow_model_reads_a_drift_as_a_moved_cut_off():
 
 def test_between_samples_the_drift_is_counted_once():
     """A step between two samples whose gradients shrank by 2^2: it loses what its sample lost
-    plus the two binades above the cut-off (1000 elements each), not also the interpolation of
-    the lost share towards the next sample's."""
+    plus the recorded values that now fall below the cut-off u, not also the interpolation of the
+    lost share towards the next sample's. Recorded values lie on fp16's subnormal grid (spacing
+    2u), so the true values below 4u are the recorded ones below 5u: the smallest subnormal's
+    binade (1000) and a quarter of the next (250)."""
     import numpy as np
     import pandas as pd
 
@@ -156,7 +158,7 @@ def test_between_samples_the_drift_is_counted_once():
     bins, min_exp = 64, -56
     hist = np.zeros(bins)
     first = int(np.ceil(np.log2(FLOAT16.underflow_below))) - min_exp
-    hist[first:first + 8] = 1000.0
+    hist[first + 1:first + 9] = 1000.0  # from the smallest subnormal, 2u, up
     n = 3
     series = StepSeries(steps=np.arange(n), scale=np.ones(n), recorded_scale=np.ones(n), skipped=np.zeros(n, bool),
                         forced=np.zeros(n, bool), nonfinite=np.zeros(n, bool), amax=np.ones(n), l2=np.ones(n),
@@ -165,4 +167,4 @@ def test_between_samples_the_drift_is_counted_once():
                         fmt=FLOAT16, min_exp=min_exp, drift_log2=np.array([0.0, -2.0, 0.0]))
     attach_param_lost(series, pd.DataFrame({"lost": [10.0, 4010.0], "n_zero": [1010.0, 5010.0],
                                             "undecided": [0.0, 0.0]}, index=[0, 2]))
-    assert series.lost_at_recorded()[1] == pytest.approx(10 + 2 * 1000)
+    assert series.lost_at_recorded()[1] == pytest.approx(10 + 1000 + 250)

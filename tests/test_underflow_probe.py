@@ -6,10 +6,8 @@ same with it (gradient accumulation, activation checkpointing both ways, another
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,16 +18,14 @@ import architectures as A
 from ampdoctor.underflow_probe import UNMEASURED, ShadowBackward
 from models import DeepNet, batches, checkpointed, mse
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-import underflow_accuracy  # noqa: E402 - the benchmark's recording, shared
 
 needs_transformers = pytest.mark.skipif(A.transformers is None, reason="needs transformers (test extra)")
 
 
 def _record_one_step(arch: A.Arch, path, scale: float, factor: float):
-    """One recorded fp16 step at ``level="full"``, measured (the benchmark's: lr 0, weights
-    unchanged); the run's frame and the AMP gradients (unscaled)."""
-    grads = underflow_accuracy.record_one_step(arch, path, scale, factor, measure_every=1)
+    """One recorded fp16 step at ``level="full"``, measured (lr 0, weights unchanged); the run's
+    frame and the AMP gradients (unscaled)."""
+    grads = A.record_one_step(arch, path, scale, factor, measure_every=1)
     return ampdoctor.load(path), grads
 
 

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 from ..formats import FloatFormat, float_format
 from ..hist_column import hist_matrix
 from ..run import Run, empty_table, kind_mask
+from .calibration import Measurements, Samples, Tails, calibrated, keys
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
@@ -44,9 +45,13 @@ LOW_QUANTILE = 0.10    # the heatmap's "low" magnitude: this quantile of the non
 _ALL_ZERO = -1e300
 
 STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
-                "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
-_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "n_zero",
+                "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow", "underflow_hist"]
+_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "l2", "n_zero",
             "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
+# What the first pass reads: the measured rows' counts (calibration.Measurements).
+_MEASURED_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "n_zero", "n_nan", "n_inf",
+                     "n_zero_lines", "n_underflow", "underflow_hist"]
+_GRADIENT_KINDS = ["param_grad", "grad_output"]
 # Rows of _Accumulator.sums.
 _NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED, _MEASURED = range(9)
 
@@ -57,12 +62,14 @@ class LayerScan:
 
     layers: pd.DataFrame                       # one row per (name, kind), see the module docstring
     param_lost: pd.DataFrame                   # per step: lost, undecided and all zeros over parameter gradients,
-                                               # and whether they were measured
+                                               # and whether they were measured (light steps: carried
+                                               # from their samples, calibration.Samples)
     module_peak: pd.Series                     # per step: largest finite output-gradient amax
     activation_peak: pd.DataFrame              # per module: largest finite output amax (unscaled)
     heatmap_steps: np.ndarray                  # first step of each heatmap column
     heatmap: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name → (high, low)
     step_rows: pa.Table | None = None          # the run's step rows (STEP_COLUMNS), met during the pass
+    tails: Tails | None = None                 # what underflowed on measured steps, by magnitude (calibration.Tails)
 
     @property
     def empty(self) -> bool:
@@ -72,13 +79,17 @@ class LayerScan:
 def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
                 batch_rows: int = 1 << 16) -> LayerScan:
     """Aggregate every full module and parameter row of ``run``, batch by batch with numpy
-    reductions keyed by layer (memory: one batch plus O(layers x heatmap columns)). The step rows
-    met on the way are kept (``LayerScan.step_rows``), so the run is read once."""
+    reductions keyed by layer (memory: one batch plus O(layers x heatmap columns) plus the
+    measured steps' structural shares). Two passes: a narrow one over the gradient rows for the
+    measured steps' counts, which calibrate the estimates around them (:mod:`.calibration`), then
+    every row; the step rows met on the way are kept (``LayerScan.step_rows``)."""
     first_step, last_step = run.step_range() or _step_range_from_data(run)
     span = max(1, last_step - first_step + 1)
     width = max(1, math.ceil(span / HEATMAP_BUCKETS))
     columns = math.ceil(span / width)
-    acc = _Accumulator(span, columns)
+    acc = _Accumulator(span, columns, bins=bins, min_exp=min_exp)
+    for batch in run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows):
+        acc.add_measured(batch, amp)
     step_rows = []
     for batch in run.batches(_COLUMNS + [c for c in STEP_COLUMNS if c not in _COLUMNS], batch_rows=batch_rows):
         is_step = kind_mask(batch.column("kind"), ["step"])
@@ -89,6 +100,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
         if rows.num_rows:
             acc.add(rows.select(_COLUMNS), amp, min_exp, bins, first_step, width)
     scan = acc.result(first_step, width)
+    scan.tails = acc.tails
     scan.step_rows = pa.Table.from_batches(step_rows) if step_rows else empty_table(STEP_COLUMNS)
     return scan
 
@@ -101,10 +113,10 @@ def _dictionary(column: pa.Array) -> tuple[list[str], np.ndarray]:
 
 
 def scan_step_rows(rows: pa.RecordBatch, amp: FloatFormat, *, min_exp: int, bins: int, step: int) -> pd.DataFrame:
-    """The per-layer aggregates (the ``layers`` of :class:`LayerScan`) of one step's rows alone:
-    the same estimates the run's scan makes, for a consumer that wants them step by step (the
-    TensorBoard export)."""
-    acc = _Accumulator(1, 1)
+    """The per-layer aggregates (the ``layers`` of :class:`LayerScan`) of one step's rows alone,
+    for a consumer that wants them step by step (the TensorBoard export): the heuristic's
+    estimates of that step, or its measurement, not calibrated by the run's other steps."""
+    acc = _Accumulator(1, 1, bins=bins, min_exp=min_exp)
     acc.add(rows, amp, min_exp, bins, step, 1)
     return acc.result(step, 1).layers
 
@@ -112,7 +124,11 @@ def scan_step_rows(rows: pa.RecordBatch, amp: FloatFormat, *, min_exp: int, bins
 class _Accumulator:
     """Running per-layer sums, minima and maxima; layers get ids as they are first seen."""
 
-    def __init__(self, span: int, columns: int) -> None:
+    def __init__(self, span: int, columns: int, *, bins: int, min_exp: int) -> None:
+        self.measurements = Measurements()
+        self.measure_ids: dict[tuple[str, str], int] = {}  # (name, kind) -> key of its measurements
+        self.tails = Tails(bins, min_exp)
+        self.samples = Samples(bins, min_exp)
         self.ids: dict[tuple[str, str], int] = {}
         self.dtypes: list[str] = []
         self.columns = columns
@@ -120,10 +136,12 @@ class _Accumulator:
         self.amax = np.full(16, -np.inf)
         self.amin = np.full(16, np.inf)
         self.headroom = np.full(16, np.inf)
+        self.distance = np.full(16, -np.inf)     # the farthest an estimate is from its calibrating measurement
         self.output_peak = np.full(16, -np.inf)  # output rows: the largest finite activation
         self.high = np.full((16, columns), -np.inf)
         self.low = np.full((16, columns), np.inf)
         self.param_lost = np.zeros(span)
+        self.param_lost_hi = np.zeros(span)       # light steps: lost at the other end of the drift's range
         self.param_zero = np.zeros(span)
         self.param_undecided = np.zeros(span)     # undecided zeros: the upper bound minus the estimate
         self.param_seen = np.zeros(span, dtype=bool)
@@ -156,9 +174,44 @@ class _Accumulator:
         self.amax = np.pad(self.amax, (0, pad), constant_values=-np.inf)
         self.amin = np.pad(self.amin, (0, pad), constant_values=np.inf)
         self.headroom = np.pad(self.headroom, (0, pad), constant_values=np.inf)
+        self.distance = np.pad(self.distance, (0, pad), constant_values=-np.inf)
         self.output_peak = np.pad(self.output_peak, (0, pad), constant_values=-np.inf)
         self.high = np.pad(self.high, ((0, pad), (0, 0)), constant_values=-np.inf)
         self.low = np.pad(self.low, ((0, pad), (0, 0)), constant_values=np.inf)
+
+    def add_measured(self, batch: pa.RecordBatch, amp: FloatFormat) -> None:
+        """The first pass: the measured gradient rows' zeros and underflow (their structure), and
+        what underflowed in the parameter gradients by magnitude (calibration.Tails)."""
+        col = {c: batch.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in
+               ("n_zero", "n_underflow", "n_nan", "n_inf", "numel", "n_zero_lines", "amax", "scale")}
+        keep = ~np.isnan(col["n_zero"]) & ~np.isnan(col["n_underflow"]) & (np.nan_to_num(col["n_nan"] + col["n_inf"]) == 0)
+        if not keep.any():
+            return
+        rows = batch.filter(pa.array(keep))
+        col = {c: v[keep] for c, v in col.items()}
+        key = keys(self._measure_ids(rows, register=True), rows.column("rank").to_numpy(zero_copy_only=False))
+        step = rows.column("step").to_numpy(zero_copy_only=False)
+        self.measurements.add(key, step, col["n_zero"], col["n_underflow"], col["numel"], col["n_zero_lines"])
+        param = (rows.column("kind").to_numpy(zero_copy_only=False) == "param_grad") & rows.column(
+            "underflow_hist").is_valid().to_numpy(zero_copy_only=False)
+        if param.any():
+            hist = hist_matrix(rows.column("underflow_hist"), self.tails.bins, np.float64)
+            cut = np.log2(amp.underflow_below / np.maximum(np.nan_to_num(col["scale"], nan=1.0), 2.0**-149))
+            self.tails.add(step[param], hist[param], col["amax"][param], cut[param])
+
+    def _measure_ids(self, batch: pa.RecordBatch, register: bool = False) -> np.ndarray:
+        """Per row, the id of its (name, kind) among the measured layers (-1: never measured). Apart
+        from the layer ids, which keep the order layers are met in the main pass."""
+        (names, name_idx), (kinds, kind_idx) = (_dictionary(batch.column(c)) for c in ("name", "kind"))
+        pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
+        unique, inverse = np.unique(pair, return_inverse=True)
+        local = np.empty(len(unique), dtype=np.int64)
+        for i, code in enumerate(unique):
+            name_kind = (names[code // len(kinds)], kinds[code % len(kinds)])
+            if register and name_kind not in self.measure_ids:
+                self.measure_ids[name_kind] = len(self.measure_ids)
+            local[i] = self.measure_ids.get(name_kind, -1)
+        return local[inverse.ravel()]
 
     def add(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
             width: int) -> None:
@@ -168,8 +221,8 @@ class _Accumulator:
         dtypes, dtype_idx = _dictionary(batch.column("dtype"))
         formats = [_format_or_none(d) or amp for d in dtypes]
         col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
-               ("step", "scale", "numel", "amax", "amin", "n_zero", "n_subnormal", "n_nan", "n_inf",
-                "n_zero_lines", "n_underflow")}
+               ("step", "rank", "scale", "numel", "amax", "amin", "l2", "n_zero", "n_subnormal", "n_nan",
+                "n_inf", "n_zero_lines", "n_underflow")}
         hist = hist_matrix(batch.column("hist"), bins)
         param = kind == "param_grad"
         output = kind == "output"
@@ -210,6 +263,16 @@ class _Accumulator:
             n_underflow = col["n_underflow"].astype(np.float64)
             measured = full & ~output & ~nonfinite & ~np.isnan(n_underflow)
             estimate, upper = with_measured(estimate, upper, n_underflow, measured)
+            # Estimated rows of a measured tensor: its structure, measured, calibrates them.
+            key = keys(layer, col["rank"])
+            distance = np.where(measured, 0.0, np.nan)
+            rows = np.nonzero(full & ~output & ~nonfinite & ~measured)[0]
+            if len(rows) and self.measurements:
+                measured_key = keys(self._measure_ids(batch), col["rank"])
+                share, scattered, distance[rows] = self.measurements.nearest(measured_key[rows], col["step"][rows])
+                estimate[rows] = calibrated(zeros[rows], col["numel"][rows].astype(np.float64), share,
+                                            estimate[rows], upper[rows], scattered,
+                                            col["n_zero_lines"][rows].astype(np.float64))
             judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
             lost = np.where(judged, estimate, 0.0)
             upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
@@ -231,17 +294,20 @@ class _Accumulator:
         amin = col["amin"].astype(np.float64)
         np.minimum.at(self.amin, layer, np.where(np.isnan(amin), np.inf, amin))
         np.minimum.at(self.headroom, layer, np.where(np.isnan(headroom), np.inf, headroom))
+        np.maximum.at(self.distance, layer[judged], np.nan_to_num(distance[judged], nan=-np.inf))
         np.maximum.at(self.output_peak, layer[output], finite_amax[output])
         offset = col["step"] - first_step
         inside = (offset >= 0) & (offset < len(self.param_lost))
         p = param & inside
         pf = p & full & ~nonfinite
         np.add.at(self.param_lost, offset[pf], lost[pf])
+        np.add.at(self.param_lost_hi, offset[pf], lost[pf])
         np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
         np.add.at(self.param_undecided, offset[pf], np.maximum(upper[pf] - lost[pf], 0.0))
         self.param_seen[offset[pf]] = True
         np.add.at(self.param_judged, offset[pf & judged], col["numel"][pf & judged])
         np.add.at(self.param_measured, offset[pf & measured], col["numel"][pf & measured])
+        self._carry_to_light_steps(key, col, param & ~nonfinite, full, cumsum, lost, upper, first_step, below)
         # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
         # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
         in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
@@ -251,7 +317,33 @@ class _Accumulator:
         np.maximum.at(self.high, (layer[p], column[p]), np.where(np.isnan(high[p]), -np.inf, high[p]))
         np.minimum.at(self.low, (layer[p], column[p]), np.where(np.isnan(low[p]), np.inf, low[p]))
 
+    def _carry_to_light_steps(self, key, col, param, full, cumsum, lost, upper, first_step, below) -> None:
+        """Parameter gradients of light steps (peak and norm only) take their latest sample's
+        figures, moved by the drift of their own norm (calibration.Samples)."""
+        # (a collapsed scale of 0 is computed with as float32's smallest positive, as steps.py does)
+        cut = np.log2(below / np.maximum(np.nan_to_num(col["scale"].astype(np.float64), nan=1.0), 2.0**-149))
+        sample = param & full
+        self.samples.add_samples(key[sample], col["step"][sample], cumsum[sample], cut[sample],
+                                 lost[sample], np.nan_to_num(col["n_zero"][sample].astype(np.float64)),
+                                 np.maximum(upper[sample] - lost[sample], 0.0),
+                                 col["l2"][sample].astype(np.float64), col["numel"][sample].astype(np.float64))
+        light = param & ~full
+        if light.any():
+            self._add_light(self.samples.carry(key[light], col["step"][light], col["l2"][light].astype(np.float64),
+                                               col["numel"][light].astype(np.float64), cut[light]), first_step)
+
+    def _add_light(self, carried: tuple[np.ndarray, ...], first_step: int) -> None:
+        step, lost, lost_hi, zeros, undecided = carried
+        offset = step - first_step
+        ok = (offset >= 0) & (offset < len(self.param_lost))
+        np.add.at(self.param_lost, offset[ok], lost[ok])
+        np.add.at(self.param_lost_hi, offset[ok], lost_hi[ok])
+        np.add.at(self.param_zero, offset[ok], zeros[ok])
+        np.add.at(self.param_undecided, offset[ok], undecided[ok])
+        self.param_seen[offset[ok]] = True
+
     def result(self, first_step: int, width: int) -> LayerScan:
+        self._add_light(self.samples.finish(), first_step)  # light rows still waiting for a sample
         n = len(self.ids)
         keys = list(self.ids)
         sums = self.sums[:, :n]
@@ -265,13 +357,17 @@ class _Accumulator:
             "underflow_rate_max": np.where(is_output, np.nan, sums[_UPPER] / numel),
             # The share of the judged elements whose underflow was measured, not estimated.
             "underflow_measured": sums[_MEASURED] / judged,
+            # The farthest step of a figure from the measurement that calibrated it (0: all
+            # measured; NaN: none calibrated).
+            "measure_distance": _inf_to_nan(self.distance[:n]),
             "zero_rate": sums[_ZERO] / numel, "subnormal_rate": sums[_SUBNORMAL] / numel,
             "headroom_log2": _inf_to_nan(self.headroom[:n]), "amax": _inf_to_nan(self.amax[:n]),
             "amin": _inf_to_nan(self.amin[:n]), "observations": sums[_OBSERVED].astype(int),
             "nonfinite": sums[_NONFINITE].astype(int)})
         steps = first_step + np.arange(len(self.param_lost))
         seen = self.param_seen
-        param_lost = pd.DataFrame({"lost": self.param_lost[seen], "n_zero": self.param_zero[seen],
+        param_lost = pd.DataFrame({"lost": self.param_lost[seen], "lost_hi": self.param_lost_hi[seen],
+                                   "n_zero": self.param_zero[seen],
                                    "undecided": self.param_undecided[seen],
                                    # every judged parameter gradient of the step (all ranks) measured
                                    "measured": (self.param_measured[seen] >= self.param_judged[seen])

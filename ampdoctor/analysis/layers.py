@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pandas as pd
 
 from ..run import Run
@@ -69,8 +70,13 @@ def layer_records(layers: pd.DataFrame, types: dict[str, str] | None = None) -> 
                     "underflow_rate": finite_or_none(r.underflow_rate),
                     "underflow_rate_max": finite_or_none(r.underflow_rate_max),
                     "underflow_measured": finite_or_none(r.underflow_measured),
+                    "measure_distance": _steps_or_none(r.measure_distance),
                     "zero_rate": finite_or_none(r.zero_rate), "subnormal_rate": finite_or_none(r.subnormal_rate),
                     "headroom_log2": finite_or_none(r.headroom_log2), "amax": finite_or_none(r.amax),
                     "amin": finite_or_none(r.amin), "observations": int(r.observations),
                     "nonfinite": int(r.nonfinite)})
     return out
+
+
+def _steps_or_none(value: float) -> int | None:
+    return None if value is None or not np.isfinite(value) else int(value)

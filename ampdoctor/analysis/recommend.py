@@ -38,7 +38,7 @@ import numpy as np
 from ..schema import ROOT_NAME
 from .contract_fields import underflow_fields
 from .findings import Finding
-from .replay import Outcome, Replay, replay
+from .replay import Outcome, Replay, replay, drift_share
 from .scaler_config import TORCH_SETTINGS, ScalerConfig
 
 UNDERFLOW_WEIGHT = 10.0
@@ -89,7 +89,10 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     outcomes = replay(prepared, candidates(current), passes=2)
     baseline = replay(prepared, [base])[0]
     same_format = series.fmt.name == prepared.target.name
-    known = baseline.underflow_upper - baseline.underflow_rate <= BAD_UNDERFLOW
+    # The share of the range that is the drift between samples (not zeros of unknown nature): a
+    # smaller every= narrows it; the verdict is `unknown` only for undecided zeros.
+    drift = drift_share(series) if same_format and current is not None else 0.0
+    known = baseline.underflow_upper - baseline.underflow_rate - drift <= BAD_UNDERFLOW
     cap = (baseline.underflow_rate + max(UNDERFLOW_TOLERANCE, baseline.underflow_rate * (UNDERFLOW_SLACK - 1))
            if same_format and current is not None else math.inf)
     scored = [Candidate(o, o.skipped_steps + o.steady_skipped + UNCERTAIN_WEIGHT * o.uncertain_steps
@@ -123,7 +126,8 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     else:
         verdict = "change"
     reasons = _reasons(prepared, current, actual, baseline, pick, settle_step)
-    advice = _advice(prepared, verdict, worst_modules or [], hot_activations or [], current, known, outside or [])
+    advice = _advice(prepared, verdict, worst_modules or [], hot_activations or [], current, known, outside or [],
+                     drift)
     return {
         "init_scale": cfg.init_scale, "growth_factor": cfg.growth_factor, "backoff_factor": cfg.backoff_factor,
         "growth_interval": int(cfg.growth_interval), "target_dtype": prepared.target.name, "verdict": verdict,
@@ -161,9 +165,10 @@ def _reasons(prepared: Replay, current, actual, baseline: Outcome, pick: Outcome
                                                       "skipped": int(series.skipped.sum()),
                                                       "growth_interval": current.growth_interval}))
         if actual["underflow_rate"] is None:
-            undecided = (actual["underflow_rate_max"] or 0.0) - (actual["underflow_rate_min"] or 0.0)
+            spread = (actual["underflow_rate_max"] or 0.0) - (actual["underflow_rate_min"] or 0.0)
+            drift = min(drift_share(series), spread)
             out.append(Finding("recorded_underflow_range", {"median_scale": median, "underflow": recorded,
-                                                            "undecided": undecided}))
+                                                            "undecided": spread - drift, "drift": drift}))
         elif actual["underflow_rate"] > 1e-4:
             applied = ~series.skipped
             measured = int((series.measured & applied).sum()) if series.measured is not None else 0
@@ -188,7 +193,9 @@ def _skips_after_growth(series) -> int:
 
 
 def _advice(prepared: Replay, verdict: str, worst: list[str], hot: list[tuple[str, float]], current,
-            known: bool, outside: list[str]) -> list[Finding]:
+            known: bool, outside: list[str], drift: float = 0.0) -> list[Finding]:
+    """``known``: the undecided zeros are few; ``drift``: the share of the elements the steps
+    between samples may or may not have lost (calibration.DRIFT_RANGE)."""
     series = prepared.series
     target = prepared.target
     out = []
@@ -202,6 +209,8 @@ def _advice(prepared: Replay, verdict: str, worst: list[str], hot: list[tuple[st
     if not known and current is not None:
         out.append(Finding("undecided_zeros", {"median_scale": float(np.median(series.scale)),
                                                "settings_changed": verdict == "change"}))
+    if drift > BAD_UNDERFLOW:
+        out.append(Finding("drift_between_samples", {"drift": drift}))
     if verdict == "no_scale_works":
         good = series.amax[series.amax > 0]
         out.append(Finding("no_scale_fits", {

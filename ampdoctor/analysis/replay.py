@@ -69,6 +69,7 @@ class Replay:
     critical_log2: np.ndarray   # per step: the step overflows when log2 S exceeds this
     lower_bound: np.ndarray     # per step: its magnitude is only a lower bound (uncertain below scale)
     underflow: np.ndarray       # [steps, len(GRID)]: elements lost at each grid scale (lower bound)
+    underflow_hi: np.ndarray    # the same at the other end of the drift's range (steps between samples)
     undecided: np.ndarray       # [steps]: zeros whose underflow is undecided at any scale
     notes: list[Finding] = field(default_factory=list)
 
@@ -117,8 +118,11 @@ def prepare(series: StepSeries, target: FloatFormat = FLOAT16, *, module_ratio: 
         notes.append(Finding("unexplained_skips", {"steps": int(unexplained.sum())}))
     if series.forced.any():
         notes.append(Finding("nonfinite_loss_steps", {"steps": int(series.forced.sum())}))
-    return Replay(series, target, threshold, critical, unexplained, _underflow_table(series, target),
-                  series.undecided(), notes)
+    table = _underflow_table(series, target)
+    # The upper table differs only where a drift's range or an upper tail says so.
+    ranged = series.drift_hi_log2 is not None or series.tail_hi is not None
+    return Replay(series, target, threshold, critical, unexplained, table,
+                  _underflow_table(series, target, upper=True) if ranged else table, series.undecided(), notes)
 
 
 def _neighbour_estimate(amax: np.ndarray, good: np.ndarray) -> np.ndarray:
@@ -128,8 +132,8 @@ def _neighbour_estimate(amax: np.ndarray, good: np.ndarray) -> np.ndarray:
     return np.fmax(before.to_numpy(), after.to_numpy())
 
 
-def _underflow_table(series: StepSeries, target: FloatFormat) -> np.ndarray:
-    model = series.underflow_model()
+def _underflow_table(series: StepSeries, target: FloatFormat, upper: bool = False) -> np.ndarray:
+    model = series.underflow_model(upper)
     # Cut-off in the target format at each grid scale, in true-gradient units.
     cuts = np.log2(target.underflow_below) - GRID
     return model.lost(np.broadcast_to(cuts, (len(series), len(GRID))))
@@ -197,6 +201,7 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
     critical, lower_bound = prepared.critical_log2, prepared.lower_bound
     recorded_log2 = np.log2(prepared.series.scale)
     numel, table, undecided = prepared.series.numel, prepared.underflow, prepared.undecided
+    table_hi = prepared.underflow_hi
     grid0, grid_last = GRID[0], len(GRID) - 1
     final = log2s
     for k in range(n * passes):
@@ -215,9 +220,12 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
             pos = np.clip(log2s - grid0, 0, grid_last)
             i = np.minimum(pos.astype(np.int64), grid_last - 1)
             w = pos - i
-            row = table[t]
-            lost += np.where(over, 0.0, row[i] * (1 - w) + row[i + 1] * w)
-            undecided_lost += np.where(over, 0.0, undecided[t])
+            row, row_hi = table[t], table_hi[t]
+            low = row[i] * (1 - w) + row[i + 1] * w
+            lost += np.where(over, 0.0, low)
+            # The upper bound: the drift's other end, and the undecided zeros.
+            high = np.maximum(row_hi[i] * (1 - w) + row_hi[i + 1] * w, low)
+            undecided_lost += np.where(over, 0.0, high - low + undecided[t])
             kept += np.where(over, 0.0, numel[t])
         else:
             steady += over
@@ -244,13 +252,27 @@ def replay(prepared: Replay, configs: list[ScalerConfig], *, keep_trajectory: bo
     return out
 
 
+def drift_share(series: StepSeries) -> float:
+    """Of the applied steps' elements, the share between the two ends of the drift's range (steps
+    between samples, whose small values may have drifted up to ``DRIFT_RANGE`` times their norm)."""
+    applied = ~series.skipped
+    kept = series.numel[applied].sum()
+    if not kept:
+        return 0.0
+    lost = series.lost_at_recorded()[applied]
+    return float(np.maximum(series.lost_at_recorded(upper=True)[applied] - lost, 0.0).sum() / kept)
+
+
 def actual_outcome(series: StepSeries, config: ScalerConfig | None) -> dict:
     """What the run itself did, in the simulate contract's shape."""
     n = len(series)
     applied = ~series.skipped
-    lost = series.lost_at_recorded()[applied].sum()
+    lost = series.lost_at_recorded()[applied]
+    lost_hi = np.maximum(series.lost_at_recorded(upper=True)[applied], lost)
+    lost = lost.sum()
     kept = series.numel[applied].sum()
-    low, high = (lost / kept, (lost + series.undecided()[applied].sum()) / kept) if kept else (0.0, 0.0)
+    high = lost_hi.sum() + series.undecided()[applied].sum()
+    low, high = (lost / kept, high / kept) if kept else (0.0, 0.0)
     return {"config": config.to_dict() if config is not None else None,
             "skipped_steps": int(series.skipped.sum()),
             "skipped_fraction": float(series.skipped.mean()) if n else 0.0,

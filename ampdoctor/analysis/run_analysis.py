@@ -23,7 +23,7 @@ from .findings import Finding
 from .layer_scan import LayerScan, scan_layers
 from .replay import Replay, prepare
 from .scaler_config import ScalerConfig, recorded_config
-from .steps import StepSeries, attach_param_lost, load_steps
+from .steps import StepSeries, attach_param_lost, attach_tails, load_steps
 
 
 @dataclass
@@ -67,6 +67,7 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     own_warnings: list[Finding] = []
     scan.step_rows = _with_valid_scale(scan.step_rows, own_warnings)
     series = load_steps(scan.step_rows, amp, min_exp, bins)
+    attach_tails(series, scan.tails)
     attach_param_lost(series, scan.param_lost)
     # fp16 is the format a scaler is for: a bf16/fp32 run is asked whether fp16 would work.
     target = amp if amp.name == "float16" else FLOAT16

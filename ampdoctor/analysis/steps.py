@@ -44,6 +44,15 @@ class StepSeries:
     n_zero_lines: np.ndarray | None = None   # per step: zeros in all-zero lines (NaN where not recorded)
     measured: np.ndarray | None = None       # per step: its parameter gradients' underflow was measured
     drift_log2: np.ndarray | None = None     # per step: log2 of its gradient norm over its sample's (0 when sampled)
+    source: np.ndarray | None = None         # per step: the index of the sampled step whose histogram it holds
+    tail: np.ndarray | None = None           # per step: what underflowed at the nearest measured step, by binade
+    tail_cut_log2: np.ndarray | None = None  # per step: that measured step's cut-off
+    tail_noise: np.ndarray | None = None     # per step: of those, the elements that were rounding noise
+    tail_hi: np.ndarray | None = None        # the same, as the upper figures read them (calibration.Tails)
+    tail_noise_hi: np.ndarray | None = None
+    drift_hi_log2: np.ndarray | None = None  # per step: the other end of the drift's range (light steps)
+    ref_lost: np.ndarray | None = None       # per step: elements lost at its sample's cut-off, which the drift
+                                             # moves (default: its own, n_zero x lost_fraction)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -54,11 +63,18 @@ class StepSeries:
         scale = self.scale if self.sample_scale is None else self.sample_scale
         return np.log2(self.fmt.underflow_below / scale)
 
-    def underflow_model(self) -> UnderflowModel:
+    def underflow_model(self, upper: bool = False) -> UnderflowModel:
         """The underflow of the zeros the estimate counts (not the undecided ones). A step between
-        samples takes its sample's histogram moved by the drift of the gradient norm since then
-        (the norm is recorded every step): shrinking gradients lose more below the cut-off."""
-        return UnderflowModel(self.hist, self.recorded_cut_log2, self._bounds()[0], self.min_exp, self.drift_log2)
+        samples takes its sample's histogram moved by the drift since then (shrinking gradients
+        lose more below the cut-off): the drift of the gradient norm, or, with parameter rows, the
+        drift that gives the step the loss its tensors' own drifts give it (attach_param_lost).
+        ``upper``: at the end of the drift's range that loses more (calibration.DRIFT_RANGE)."""
+        at_cut = self._bounds()[0] if self.ref_lost is None else self.ref_lost
+        drift = self.drift_hi_log2 if upper and self.drift_hi_log2 is not None else self.drift_log2
+        tail, noise = (self.tail_hi, self.tail_noise_hi) if upper and self.tail_hi is not None else (
+            self.tail, self.tail_noise)
+        return UnderflowModel(self.hist, self.recorded_cut_log2, at_cut, self.min_exp, drift, tail,
+                              self.tail_cut_log2, tail_noise=noise)
 
     def undecided(self) -> np.ndarray:
         """Per step: zeros whose underflow is undecided at any scale (:mod:`~ampdoctor.analysis.replay`)."""
@@ -76,14 +92,21 @@ class StepSeries:
         lost = np.nan_to_num(estimate, nan=0.0)
         return lost, np.maximum(upper - lost, 0.0)
 
-    def lost_at_recorded(self) -> np.ndarray:
-        """Elements estimated lost to underflow at each step's recorded scale (the lower bound)."""
-        return self.underflow_model().lost(np.log2(self.fmt.underflow_below / self.scale))
+    def lost_at_recorded(self, upper: bool = False) -> np.ndarray:
+        """Elements estimated lost to underflow at each step's recorded scale (the lower bound;
+        ``upper``: at the other end of the drift's range, undecided zeros not counted)."""
+        return self.underflow_model(upper).lost(np.log2(self.fmt.underflow_below / self.scale))
 
 
 def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> StepSeries:
     """Merge the step rows (``layer_scan.STEP_COLUMNS``) of every rank into one series."""
-    frame = table.drop_columns(["hist", "loss"]).to_pandas()
+    # What underflowed, by magnitude: on measured steps' rows only (null elsewhere).
+    lost_hist = None
+    if "underflow_hist" in table.column_names and table.column("underflow_hist").null_count < table.num_rows:
+        valid = table.column("underflow_hist").is_valid().to_numpy(zero_copy_only=False)
+        lost_hist = (np.nonzero(valid)[0], hist_matrix(table.filter(pa.array(valid)).column("underflow_hist"), bins,
+                                                       np.float64))
+    frame = table.drop_columns([c for c in ("hist", "loss", "underflow_hist") if c in table.column_names]).to_pandas()
     loss = table.column("loss").to_numpy(zero_copy_only=False).astype(np.float64)  # null → NaN
     recorded = table.column("loss").is_valid().to_numpy(zero_copy_only=False)
     hist = hist_matrix(table.column("hist"), bins, np.float64)  # summed over ranks: exact
@@ -106,6 +129,22 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     codes = grouped.ngroup().to_numpy()
     merged_hist = np.zeros((len(agg), bins))
     np.add.at(merged_hist, codes, hist[frame["_row"].to_numpy()])
+    # What underflowed on measured steps (every rank's step row measured), by magnitude: the tail
+    # below the cut-off that predictions at higher scales read (UnderflowModel(tail=)).
+    tail = tail_cut = None
+    if lost_hist is not None:
+        rows_at, lost_rows = lost_hist
+        code_of_row = np.empty(len(frame), dtype=np.int64)
+        code_of_row[frame["_row"].to_numpy()] = codes
+        has = np.zeros(len(frame), dtype=bool)
+        has[rows_at] = True
+        all_measured = pd.Series(has[frame["_row"].to_numpy()]).groupby(codes).all().to_numpy()
+        if all_measured.any():
+            merged_lost = np.zeros((len(agg), bins))
+            np.add.at(merged_lost, code_of_row[rows_at], lost_rows)
+            at = _nearest_sampled(all_measured)
+            scale_at = np.maximum(agg["scale"].to_numpy(dtype=np.float64), 2.0**-149)
+            tail, tail_cut = merged_lost[at], np.log2(fmt.underflow_below / scale_at)[at]
     f64 = lambda c: agg[c].to_numpy(dtype=np.float64)  # noqa: E731
     # A scale that collapsed to 0 (150 backoffs in a row) is computed with as float32's smallest
     # positive; ``recorded_scale`` keeps the 0 for display.
@@ -124,7 +163,8 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
         loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=numel,
         n_zero=n_zero[source] * ratio, n_subnormal=n_subnormal[source] * ratio, hist=merged_hist[source] * ratio[:, None],
         ranks=int(frame["rank"].nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source],
-        n_zero_lines=f64("n_zero_lines")[source] * ratio, drift_log2=drift)
+        n_zero_lines=f64("n_zero_lines")[source] * ratio, drift_log2=drift, source=source, tail=tail,
+        tail_cut_log2=tail_cut)
 
 
 def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
@@ -138,20 +178,23 @@ def _nearest_sampled(sampled: np.ndarray) -> np.ndarray:
 
 
 def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
-    """Use the per-parameter underflow estimates of the sampled steps (which tell structural zeros
-    from underflowed ones tensor by tensor) instead of the all-gradients estimate: each step takes
-    the shares of its zeros that were lost, and that were undecided, of the sampled step before it
-    (the first one before any), whose histogram the drift of the gradient norm moves; without a
-    drift (a series built by hand), interpolated between the sampled steps around it. A measured
-    step's shares are its measured ones (no undecided zeros)."""
+    """Use the per-parameter underflow (measured, calibrated by measurements, or estimated, on
+    sampled steps; carried by each tensor's own drift to the light steps: layer_scan, calibration)
+    instead of the all-gradients estimate of the step rows. Where ``param_lost`` has a step, its
+    zeros, lost and undecided shares are the tensors' sums; elsewhere a step keeps the shares of
+    the sampled step before it (the first one before any), whose histogram the drift of the
+    gradient norm moves; without a drift (a series built by hand), interpolated between the sampled
+    steps around it. A measured step's shares are its measured ones (no undecided zeros)."""
     if param_lost is None or param_lost.empty:
         return
     zeros = param_lost["n_zero"].where(param_lost["n_zero"] > 0)
     undecided = param_lost["undecided"] if "undecided" in param_lost else 0.0 * param_lost["lost"]
     shares = pd.DataFrame({"lost": (param_lost["lost"] / zeros).fillna(0.0),
                            "undecided": (undecided / zeros).fillna(0.0)})
-    # Between two sampled steps: with the drift of the gradient norm known (every step records
-    # it), a step keeps its sample's shares and the drift moves the sample's histogram
+    own = pd.Series(param_lost["n_zero"]).reindex(series.steps).to_numpy(dtype=np.float64)
+    has_own = ~np.isnan(own)
+    # Steps the parameter rows do not cover: with the drift of the gradient norm known (every step
+    # records it), a step keeps its sample's shares and the drift moves the sample's histogram
     # (underflow_model); without it, the shares move linearly (interpolating as well would count
     # the drift twice).
     steps = shares.index.union(pd.Index(series.steps))
@@ -160,8 +203,85 @@ def attach_param_lost(series: StepSeries, param_lost: pd.DataFrame) -> None:
         shares = shares.interpolate(method="index", limit_area="inside")
     shares = shares.ffill().bfill()
     shares = shares.reindex(series.steps).fillna(0.0)
-    series.lost_fraction = shares["lost"].to_numpy(dtype=np.float64)
+    lost_fraction = shares["lost"].to_numpy(dtype=np.float64)
+    if has_own.any() and series.drift_log2 is not None:
+        # The loss at each sample (whose histogram its light steps hold), before the zeros become
+        # each step's own.
+        ref = series.n_zero * lost_fraction
+        series.n_zero = np.where(has_own, own, series.n_zero)
+        lost = series.n_zero * lost_fraction
+        source = series.source if series.source is not None else np.arange(len(series))
+        series.ref_lost = ref[source] * np.divide(series.numel, series.numel[source], out=np.zeros(len(series)),
+                                                  where=series.numel[source] > 0)
+        sampled = source == np.arange(len(series))
+        series.ref_lost = np.where(sampled, lost, series.ref_lost)
+        # A light step with parameter rows: the drift that gives it its tensors' loss. Without
+        # them: its sample's figures, moved by the norm's drift.
+        carried = has_own & ~sampled
+        if carried.any():
+            lost_hi = np.where(has_own, pd.Series(param_lost.get("lost_hi", param_lost["lost"]))
+                               .reindex(series.steps).to_numpy(dtype=np.float64), lost)
+            norm = series.drift_log2
+            series.drift_log2 = np.where(carried, _drift_for(series, lost, norm, carried), norm)
+            series.drift_hi_log2 = np.where(carried, _drift_for(series, np.maximum(lost_hi, lost), norm, carried,
+                                                                upper=True), series.drift_log2)
+    series.lost_fraction = lost_fraction
     series.undecided_fraction = shares["undecided"].to_numpy(dtype=np.float64)
     if "measured" in param_lost:
         measured = param_lost["measured"][param_lost["measured"]]
         series.measured = np.isin(series.steps, measured.index.to_numpy())
+
+
+def _drift_for(series: StepSeries, lost: np.ndarray, start: np.ndarray, rows: np.ndarray, *, upper: bool = False,
+               iterations: int = 60) -> np.ndarray:
+    """Per step (``rows``: the ones to solve), the drift (binades) by which its sample's histogram
+    must move for the step to lose ``lost`` elements at its own cut-off: its tensors' drifts in
+    one figure, for the replay at other scales (``upper``: with the upper tail). Starts from the
+    norm's drift, kept where it already gives ``lost``."""
+    drift = np.asarray(start, dtype=np.float64).copy()
+    idx = np.nonzero(rows)[0]
+    if not len(idx):
+        return drift
+    tail, noise = (series.tail_hi, series.tail_noise_hi) if upper and series.tail_hi is not None else (
+        series.tail, series.tail_noise)
+    pick = lambda a: None if a is None else a[idx]  # noqa: E731
+    model = UnderflowModel(series.hist[idx], series.recorded_cut_log2[idx], series.ref_lost[idx], series.min_exp,
+                           drift[idx], pick(tail), pick(series.tail_cut_log2), tail_noise=pick(noise))
+    cut = np.log2(series.fmt.underflow_below / series.scale[idx])
+    target = lost[idx]
+
+    def at(d: np.ndarray) -> np.ndarray:
+        model.drift_log2 = d
+        return model.lost(cut)
+
+    off = np.abs(at(drift[idx]) - target) > 1e-6 * np.maximum(target, 1.0)
+    if not off.any():
+        return drift
+    # lost(drift) falls as the drift grows (larger magnitudes lose less): bisect on [-128, 128].
+    lo, hi = np.full(len(idx), -128.0), np.full(len(idx), 128.0)
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        more = at(mid) > target
+        lo, hi = np.where(more, mid, lo), np.where(more, hi, mid)
+    drift[idx] = np.where(off, (lo + hi) / 2, drift[idx])
+    return drift
+
+
+def attach_tails(series: StepSeries, tails) -> None:
+    """Each step's tail below the cut-off (UnderflowModel(tail=)) from the nearest measured step's
+    parameter gradients, their rounding noise apart (calibration.Tails); a run without measured
+    parameter rows keeps its step rows' (load_steps)."""
+    if tails is None or not len(series):
+        return
+    steps, parts = tails.frame()
+    if not len(steps):
+        return
+    where = pd.Series(np.arange(len(steps)), index=steps).reindex(series.steps)
+    at = _nearest_sampled(where.notna().to_numpy())
+    if not where.notna().any():  # no measured step among the series' own: the nearest by step number
+        index = np.clip(np.searchsorted(steps, series.steps), 0, len(steps) - 1)
+    else:
+        index = where.to_numpy()[at].astype(np.int64)
+    series.tail, series.tail_noise = parts["tail"][index], parts["noise"][index]
+    series.tail_hi, series.tail_noise_hi = parts["tail_hi"][index], parts["noise_hi"][index]
+    series.tail_cut_log2 = parts["cut"][index]

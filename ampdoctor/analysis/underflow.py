@@ -184,18 +184,36 @@ class UnderflowModel:
     elements between x₀ and 2^x above it."""
 
     def __init__(self, hist: np.ndarray, cut_log2: np.ndarray, at_cut: np.ndarray, min_exp: int,
-                 drift_log2: np.ndarray | None = None) -> None:
+                 drift_log2: np.ndarray | None = None, tail: np.ndarray | None = None,
+                 tail_cut_log2: np.ndarray | None = None, cumsum: np.ndarray | None = None,
+                 tail_noise: np.ndarray | None = None) -> None:
         """``at_cut``: the elements lost at the recorded cut-off (the estimate of :func:`underflow_bounds`).
         ``drift_log2``: per observation, how many binades its magnitudes moved since the histogram
         was recorded (a step between samples whose gradient norm fell by 2^4: -4); a cut-off x then
-        loses what the recorded magnitudes lose at x - drift."""
+        loses what the recorded magnitudes lose at x - drift.
+        ``tail``: per observation, the binade histogram of what underflowed at a measured step (its
+        float32 shadow's magnitudes, ``underflow_hist``) and ``tail_cut_log2`` that step's cut-off:
+        below the cut-off, a lost element whose magnitude lay below the measured cut-off is still
+        lost k binades lower when its magnitude lay k binades lower; one whose magnitude lay above
+        it underflowed upstream, and those come back as a flat density would (2^-k; zeros where
+        nothing was measured: all of them so, ρ·x). ``cumsum``: the histograms' cumulative
+        sums with a leading 0 (``hist`` None), where the caller has them."""
         self.drift_log2 = None if drift_log2 is None else np.asarray(drift_log2, dtype=np.float64)
-        hist = np.asarray(hist, dtype=np.float64)
         self.min_exp = min_exp
         self.cut_log2 = np.asarray(cut_log2, dtype=np.float64)
         self.at_cut = np.asarray(at_cut, dtype=np.float64)
-        self.cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
-        self.below_cut = cumulative_below(self.cumsum, self.cut_log2, min_exp)
+        if cumsum is None:
+            hist = np.asarray(hist, dtype=np.float64)
+            cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
+        self.cumsum = cumsum
+        self.below_cut = cumulative_below(self.cumsum, self.cut_log2 + 1.0, min_exp)
+        self.tail = None
+        if tail is not None:
+            tail = np.asarray(tail, dtype=np.float64)
+            self.tail = np.concatenate([np.zeros((len(tail), 1)), np.cumsum(tail, axis=1)], axis=1)
+            self.tail_cut = np.asarray(tail_cut_log2, dtype=np.float64)
+            self.tail_at_cut = cumulative_below(self.tail, self.tail_cut, min_exp)
+            self.tail_noise = np.zeros(len(tail)) if tail_noise is None else np.asarray(tail_noise, dtype=np.float64)
 
     def lost(self, x_log2: np.ndarray) -> np.ndarray:
         """Estimated elements below 2^x (that would round to 0 with that cut-off); ``x_log2`` of
@@ -206,6 +224,32 @@ class UnderflowModel:
         cut = self.cut_log2 if x.ndim == 1 else self.cut_log2[:, None]
         at_cut = self.at_cut if x.ndim == 1 else self.at_cut[:, None]
         below_cut = self.below_cut if x.ndim == 1 else self.below_cut[:, None]
-        under = at_cut * np.exp2(np.minimum(x - cut, 0.0))
-        over = at_cut + np.maximum(cumulative_below(self.cumsum, x, self.min_exp) - below_cut, 0.0)
+        under = at_cut * self._below_share(np.minimum(x - cut, 0.0))
+        # The recorded values lie on the format's grid at the recorded scale: near the cut-off u
+        # (half the smallest subnormal) a recorded value r stands for the true values within u of
+        # it (the subnormals' spacing is 2u), so the true values below x are the recorded ones
+        # below x + u: the smallest subnormal's binade holds the true values from u to 3u.
+        # Further up u is negligible against the values.
+        with np.errstate(over="ignore"):
+            shifted = np.log2(np.exp2(x) + np.exp2(cut))
+        over = at_cut + np.maximum(cumulative_below(self.cumsum, shifted, self.min_exp) - below_cut, 0.0)
         return np.where(x <= cut, under, over)
+
+    def _below_share(self, offset: np.ndarray) -> np.ndarray:
+        """Of the elements lost at the cut-off, the share still lost ``-offset`` binades below it:
+        the measured tail's, else 2^offset (a flat density near zero)."""
+        flat = np.exp2(offset)
+        if self.tail is None:
+            return flat
+        two_d = offset.ndim == 2
+        tail_cut = self.tail_cut[:, None] if two_d else self.tail_cut
+        at = self.tail_at_cut[:, None] if two_d else self.tail_at_cut
+        clean = self.tail[:, -1][:, None] if two_d else self.tail[:, -1]
+        noise = self.tail_noise[:, None] if two_d else self.tail_noise
+        total = clean + noise
+        below = cumulative_below(self.tail, tail_cut + offset, self.min_exp)
+        # Elements lost above the cut-off underflowed upstream (their own magnitude is larger):
+        # they come back as the scale lifts what fed them, taken as a flat density (2^offset); so
+        # do those whose magnitude was rounding noise (Tails).
+        share = below + (clean - at + noise) * flat
+        return np.where(total > 0, np.divide(share, total, out=np.zeros_like(share), where=total > 0), flat)

@@ -207,8 +207,9 @@ def _layers_section(layers: Sequence[dict], missing: dict, chart_html: dict[str,
         parts.append(_table(["#", "layer", "kind", "underflow", "zeros", "subnormal", "headroom (binades)",
                              "amax", "amin", "observations"], _layer_rows(shown),
                             num=(0, 3, 4, 5, 6, 7, 8, 9), name=(1,)))
-        if any(sections.measured_mark(layer.get("underflow_measured")) for layer in shown):
-            parts.append(f"<p>{escaped(sections.MEASURED_LEGEND.strip())}</p>")
+        legend = sections.measured_legend(shown)
+        if legend:
+            parts.append(f"<p>{escaped(legend)}</p>")
     parts.append(_placeholder(sections.LAYERS, bool(layers), missing))
     return "\n".join(p for p in parts if p)
 

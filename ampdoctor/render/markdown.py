@@ -102,7 +102,6 @@ def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
     return ([empty] if empty else []) + _note(sections.missing_note(missing, section))
 
 
-MEASURED_NOTE = "\n" + sections.MEASURED_LEGEND.strip().replace("*", "\\*")
 
 
 def _layer_table(layers: Sequence[dict]) -> list[str]:
@@ -115,7 +114,8 @@ def _layer_table(layers: Sequence[dict]) -> list[str]:
              binades(layer.get("headroom_log2")),
              number(layer.get("amax")), number(layer.get("amin")), layer.get("observations", "—")]
             for i, layer in enumerate(layers, 1)]
-    legend = [MEASURED_NOTE] if any(sections.measured_mark(layer.get("underflow_measured")) for layer in layers) else []
+    note = sections.measured_legend(layers)
+    legend = ["\n" + note.replace("*", "\\*")] if note else []
     return table_lines(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2)) + legend
 
 

@@ -130,7 +130,16 @@ def timeline_cells(step: dict) -> list[str]:
             number_or_word(step["loss"]), number_or_word(step["grad_norm"]), number_or_word(step["max_activation"])]
 
 
-MEASURED_LEGEND = "  underflow: * measured, ~ measured on some steps and estimated on the others, else estimated"
+def measured_legend(layers: Sequence[dict]) -> str | None:
+    """The legend of the layer tables' marks (:func:`measured_mark`), when a shown layer has one:
+    with how far a figure got from its measurement."""
+    marked = [layer for layer in layers if measured_mark(layer.get("underflow_measured"))]
+    if not marked:
+        return None
+    far = max((layer.get("measure_distance") or 0 for layer in marked), default=0)
+    distance = f", at most {far} step(s) away" if far else ""
+    return (f"underflow: * measured, ~ measured on some steps and on the others estimated from the nearest "
+            f"measurement{distance}, else estimated")
 
 
 def measured_mark(share: float | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import textwrap
 
 from . import sections
 from .formatting import (VERDICTS, binades, number, origin_name, origin_steps, percent, scale_str, setting, shorten,
@@ -85,8 +86,9 @@ def layers_table(layers: list[dict], top: int | None = None, path: str | None = 
                      f"{percent(r.get('underflow_rate_max')):>8} "
                      f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
-    if any(marks):
-        lines.append(sections.MEASURED_LEGEND)
+    legend = sections.measured_legend(rows)
+    if legend:
+        lines.extend(textwrap.wrap(legend, 100, initial_indent="  ", subsequent_indent="    "))
     if top is not None and len(layers) > top:
         run = shlex.quote(str(path)) if path is not None else "RUN"
         lines.append(f"… {len(layers) - top} more (ampdoctor layers {run} --top N)")

@@ -113,11 +113,17 @@ def skips_after_growth(after_growth, skipped, growth_interval):
 
 
 @register
-def recorded_underflow_range(median_scale, underflow, undecided):
+def recorded_underflow_range(median_scale, underflow, undecided, drift=0.0):
+    why = []
+    if undecided > 1e-6 or not drift:
+        why.append(f"{percent(undecided)} are zeros the record cannot call underflow or structure (gradients 0 "
+                   f"everywhere, or zeros of gradients that reach the cut-off in numbers)")
+    if drift > 1e-6:
+        why.append(f"{percent(drift)} depend on how far the smallest values drifted on the steps between sampled "
+                   f"ones, where only each gradient's norm and peak are recorded (every= samples more often)")
     return (f"at the recorded scales (median {scale_str(median_scale)}) "
             f"{underflow_phrase(underflow).removesuffix(' underflow')} of gradient elements underflowed to zero: "
-            f"{percent(undecided)} are zeros the record cannot call underflow or structure (gradients 0 "
-            f"everywhere, or zeros of gradients that reach the cut-off in numbers)")
+            + "; ".join(why))
 
 
 @register
@@ -163,6 +169,13 @@ def overflow_outside_modules(after, at_model_output, dtype, settings_fix_it):
     fix = ", which the settings above see to" if settings_fix_it else ""
     return (f"overflows start outside every tapped module, in {where}: {dtype} must hold it times the loss "
             f"scale{fix}" + ("" if at_model_output else "; to have the op named, move that code into a module"))
+
+
+@register
+def drift_between_samples(drift):
+    return (f"{percent(drift)} of gradient elements may or may not have underflowed on the steps between sampled "
+            f"ones, where only each gradient's norm and peak are recorded and its smallest values may drift "
+            f"faster than its norm: a smaller every= (or measure_every=) narrows that range")
 
 
 @register

@@ -1,0 +1,319 @@
+"""Measurements calibrate the underflow estimates around them; the magnitudes recorded every step
+carry a sampled step's figures to the steps between samples.
+
+**Why.** At the default cadence one sampled step in ten is measured (a float32 shadow of its
+backward: :mod:`ampdoctor.underflow_probe`); the others have only zeros, zero lines, subnormals
+and a binade histogram, from which :func:`~ampdoctor.analysis.underflow.underflow_bounds` cannot
+tell structure (an unused embedding row, a dead unit) from underflow where the cut-off lies in the
+bulk of the magnitudes. A measured step can: tensor by tensor its zeros split into
+``n_underflow`` that underflowed and the rest, structure. Structure is a property of the model and
+the data, not of the loss scale, so a tensor's structural share carries to its other sampled
+steps (:class:`Measurements`): there the underflow is the zeros recorded at that step less the
+structural share of the nearest measurement before it (the first one after, before any), kept
+within the heuristic's bounds (never above its upper bound, which only counts zeros that may have
+underflowed: a tensor whose values do not reach the cut-off loses no more than the estimate says,
+whatever its zeros do). Where the measurement found no line underflowed and lines held most of
+the structure, lines are structure at every step (a unit that dies later is not underflow).
+
+**What underflowed, by magnitude** (:class:`Tails`): the measured steps' ``underflow_hist`` says
+how far below the cut-off the lost elements lay, which a prediction at a higher scale reads
+(:class:`~ampdoctor.analysis.underflow.UnderflowModel`'s tail), rounding noise apart.
+
+**Between samples** (:class:`Samples`) only the peak and the norm of each gradient are recorded.
+A light step takes its tensor's latest sampled figures (their calibrated underflow, structure and
+histogram) with the magnitudes moved by the drift of that tensor's own norm since then:
+``log2(l2 / l2 at the sample)``; gradients that shrank by 2^4 lose below the cut-off what the
+sample's lost 4 binades higher (:class:`~ampdoctor.analysis.underflow.UnderflowModel`). The zeros
+of the step are the sample's structural zeros plus what it loses. A gradient computed from output
+gradients that underflowed upstream loses more than its own histogram shows: the loss at
+:data:`DRIFT_RANGE` times the drift is the other end of the step's range.
+
+**Limits.** A tensor whose structure changes between its measurement and a sampled step (a dead
+unit revived, other embedding rows unused by another batch) moves the estimate by the change; the
+upper bound still holds every zero that may have underflowed. Between samples one factor (the
+norm's drift) moves a tensor's whole histogram: a tensor whose small values drift apart from its
+norm is misjudged there. Each figure says how far it is from a measurement (``measure_distance``,
+in steps).
+
+Keys are (layer, rank): structure is per tensor and per rank (a rank's data); a layer never
+measured has a negative layer id here. Everything here is
+numpy on arrays of rows; nothing reads the run (the caller streams it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .underflow import UnderflowModel
+
+RANK_BITS = 20  # key = layer id << RANK_BITS | rank
+DRIFT_RANGE = 2.0  # between samples, the small values may drift up to this many times the norm's drift
+MAX_PENDING_ROWS = 1 << 20  # light rows held until their tensor's first sample (a resumed run's first steps)
+
+
+def keys(layer: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    return (np.asarray(layer, dtype=np.int64) << RANK_BITS) | np.asarray(rank, dtype=np.int64)
+
+
+class Measurements:
+    """Every measured step's structural share per key: read in a first, narrow pass over the run
+    (:meth:`add` per batch of measured rows), then looked up for each estimated row."""
+
+    def __init__(self) -> None:
+        self._parts: list[pd.DataFrame] = []
+        self._points: pd.DataFrame | None = None
+
+    def add(self, key: np.ndarray, step: np.ndarray, n_zero: np.ndarray, n_underflow: np.ndarray,
+            numel: np.ndarray, n_zero_lines: np.ndarray | None = None) -> None:
+        """Measured rows: their zeros, their measured underflow, their elements and the zeros in
+        all-zero lines (NaN or None: not recorded)."""
+        if len(key):
+            self._points = None  # (computed anew on the next look-up)
+            lines = np.full(len(key), np.nan) if n_zero_lines is None else np.asarray(n_zero_lines, dtype=np.float64)
+            self._parts.append(pd.DataFrame({"key": key, "step": np.asarray(step, dtype=np.int64),
+                                             "structure": np.maximum(n_zero - n_underflow, 0.0),
+                                             # zeros outside lines that did not underflow: negative
+                                             # when lines underflowed too (upstream)
+                                             "scattered": n_zero - np.nan_to_num(lines, nan=np.inf) - n_underflow,
+                                             "numel": np.asarray(numel, dtype=np.float64)}))
+
+    @property
+    def points(self) -> pd.DataFrame:
+        """Per (key, measured step): the structural share of its elements, sorted by step."""
+        if self._points is None:
+            if self._parts:
+                frame = pd.concat(self._parts).groupby(["key", "step"], as_index=False).sum()
+                frame["share"] = frame["structure"] / frame["numel"].where(frame["numel"] > 0)
+                # Where no line underflowed (the measured underflow fits in the scattered zeros)
+                # and lines hold most of the structure, lines are structure at any step (dead
+                # units, unused rows, masked or ignored positions) and the scattered
+                # structure is what carries: a unit that dies later is not read as underflow.
+                # (A ReLU's scattered mask makes lines only by chance: not those.)
+                lines_structural = (np.isfinite(frame["scattered"]) & (frame["scattered"] >= 0)
+                                    & (frame["scattered"] <= frame["structure"] / 2))
+                frame["scattered_share"] = np.where(lines_structural, frame["scattered"], np.nan) / frame["numel"].where(
+                    frame["numel"] > 0)
+                self._parts = [frame[["key", "step", "structure", "scattered", "numel"]]]
+                self._points = frame.dropna(subset=["share"]).sort_values("step", kind="stable")
+            else:
+                self._points = pd.DataFrame({"key": pd.Series([], dtype=np.int64),
+                                             "step": pd.Series([], dtype=np.int64),
+                                             "share": pd.Series([], dtype=np.float64)})
+        return self._points
+
+    def __bool__(self) -> bool:
+        return bool(self._parts) or (self._points is not None and len(self._points) > 0)
+
+    def nearest(self, key: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: (the structural share of the nearest measurement of its key at or before its
+        step, or the first after it before any; its scattered structural share, NaN where lines
+        underflowed there; the distance to it in steps). NaN where its key was never measured."""
+        n = len(key)
+        share, scattered, distance = (np.full(n, np.nan) for _ in range(3))
+        points = self.points
+        if not n or not len(points):
+            return share, scattered, distance
+        rows = pd.DataFrame({"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
+                             "_i": np.arange(n)}).sort_values("step", kind="stable")
+        found = points[["key", "step", "share", "scattered_share"]].rename(columns={"step": "at"})
+        found["step"] = found["at"]
+        for direction in ("backward", "forward"):
+            got = pd.merge_asof(rows, found, on="step", by="key", direction=direction)
+            i = got["_i"].to_numpy()
+            fill = np.isnan(share[i]) & got["share"].notna().to_numpy()
+            share[i[fill]] = got["share"].to_numpy()[fill]
+            scattered[i[fill]] = got["scattered_share"].to_numpy(dtype=np.float64)[fill]
+            distance[i[fill]] = np.abs(got["step"].to_numpy() - got["at"].to_numpy())[fill]
+        return share, scattered, distance
+
+
+def calibrated(n_zero: np.ndarray, numel: np.ndarray, share: np.ndarray, estimate: np.ndarray,
+               upper: np.ndarray, scattered: np.ndarray | None = None,
+               n_zero_lines: np.ndarray | None = None) -> np.ndarray:
+    """The underflow of estimated rows whose tensor was measured (``share``: its structural share,
+    NaN where none): the zeros less that share of the elements, within [0, the upper bound];
+    elsewhere ``estimate``. Where the measurement found no line underflowed (``scattered``: its
+    scattered structural share, else NaN) and the row's lines are recorded, its lines are
+    structure and only its scattered zeros less that share can have underflowed."""
+    cal = n_zero - share * numel
+    if scattered is not None and n_zero_lines is not None:
+        lines = np.asarray(n_zero_lines, dtype=np.float64)
+        by_lines = ~np.isnan(scattered) & ~np.isnan(lines)
+        cal = np.where(by_lines, n_zero - np.nan_to_num(lines) - np.nan_to_num(scattered) * numel, cal)
+    cal = np.clip(cal, 0.0, np.nan_to_num(upper, nan=0.0))
+    return np.where(np.isnan(share), estimate, cal)
+
+
+NOISE_LOG2 = -24  # a lost element below its gradient's peak times 2^-24 is float32 rounding noise
+
+
+class Tails:
+    """Per measured step, what underflowed in its parameter gradients by magnitude (their
+    ``underflow_hist`` summed). Tiny lost values may be rounding noise, not gradient: an element
+    lost below its gradient's peak times 2^:data:`NOISE_LOG2` is below float32's resolution of a
+    sum of terms that size (the shadow computed it from half-precision saved values; a float32
+    reference backward gives it no better, and the truth calls such elements undecided). Below the
+    step's largest peak times 2^:data:`NOISE_LOG2` an element *may* be noise (a mathematically
+    zero gradient, such as a bias before a BatchNorm, is noise whatever its own peak): the lower
+    tail counts it as noise, the upper one as gradient. Memory: per measured step, one histogram
+    per binade of the gradients' peaks."""
+
+    def __init__(self, bins: int, min_exp: int) -> None:
+        self.bins, self.min_exp = bins, min_exp
+        self._hists: dict[tuple[int, int], np.ndarray] = {}   # (step, floor of log2 peak) -> summed histogram
+        self._top: dict[int, float] = {}                      # step -> largest peak
+        self._cut: dict[int, float] = {}                      # step -> its cut-off (log2)
+
+    def add(self, step: np.ndarray, hist: np.ndarray, amax: np.ndarray, cut_log2: np.ndarray) -> None:
+        """Measured parameter-gradient rows: their ``underflow_hist``, (unscaled) peak and cut-off."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            floor = np.floor(np.log2(np.where(amax > 0, amax, np.nan)))
+        floor = np.nan_to_num(floor, nan=-(1 << 30)).astype(np.int64)
+        frame = pd.DataFrame({"step": np.asarray(step, dtype=np.int64), "floor": floor, "_i": np.arange(len(step))})
+        for (t, f), rows in frame.groupby(["step", "floor"])["_i"]:
+            key = (int(t), int(f))
+            self._hists[key] = self._hists.get(key, 0.0) + hist[rows.to_numpy()].sum(axis=0)
+        for t, a in pd.Series(np.nan_to_num(amax, nan=0.0)).groupby(frame["step"]).max().items():
+            self._top[int(t)] = max(self._top.get(int(t), 0.0), float(a))
+        for t, c in pd.Series(cut_log2).groupby(frame["step"]).first().items():
+            self._cut.setdefault(int(t), float(c))
+
+    def frame(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(the measured steps, by step; their ``tail`` and ``noise`` as the lower figures read
+        them, ``tail_hi`` and ``noise_hi`` as the upper ones do, and each one's ``cut``)."""
+        steps = np.array(sorted(self._top), dtype=np.int64)
+        if not len(steps):
+            return steps, {}
+        edge = self.min_exp + np.arange(1, self.bins + 1)  # each bin's upper edge (log2)
+        index = {int(t): i for i, t in enumerate(steps)}
+        out = {"tail": np.zeros((len(steps), self.bins)), "noise": np.zeros(len(steps)),
+               "tail_hi": np.zeros((len(steps), self.bins)), "noise_hi": np.zeros(len(steps)),
+               "cut": np.array([self._cut[int(t)] for t in steps])}
+        for (t, f), hist in self._hists.items():
+            i, top = index[t], self._top[t]
+            own = f + NOISE_LOG2                         # a bin wholly below is noise
+            step_floor = np.floor(np.log2(top)) + NOISE_LOG2 if top > 0 else -np.inf
+            noise = edge <= own
+            maybe = (edge <= step_floor) & ~noise        # below the step's floor only
+            clean = ~noise & ~maybe
+            out["tail"][i] += np.where(clean, hist, 0.0)
+            out["noise"][i] += np.where(~clean, hist, 0.0).sum()
+            out["tail_hi"][i] += np.where(~noise, hist, 0.0)
+            out["noise_hi"][i] += np.where(noise, hist, 0.0).sum()
+        return steps, out
+
+
+class Samples:
+    """Per key, the latest sampled step's figures, carried to the light rows after it (streamed in
+    each rank's step order; light rows before their key's first sample wait for it)."""
+
+    def __init__(self, bins: int, min_exp: int) -> None:
+        self.bins, self.min_exp = bins, min_exp
+        self._last: pd.DataFrame | None = None      # one row per key: its latest sample before this batch
+        self._cumsum = np.zeros((0, bins + 1))       # row i: the histogram cumsum of sample i
+        self._batch: pd.DataFrame | None = None      # the samples of the batch being read
+        self._pending: list[pd.DataFrame] = []
+        self._pending_rows = 0
+        self.dropped = 0                             # light rows that found no sample (beyond MAX_PENDING_ROWS)
+
+    def add_samples(self, key, step, cumsum, cut, lost, n_zero, undecided, l2, numel) -> None:
+        """Full, judged rows of one batch (a step's several rows of one key are summed); called for
+        every batch, before :meth:`carry`. The previous batch's samples become the latest ones
+        before this batch."""
+        if self._batch is not None:
+            self._last = self._batch if self._last is None else pd.concat([self._last, self._batch]).sort_values(
+                "step", kind="stable").groupby("key").tail(1)
+        self._batch = None
+        if not len(key):
+            return
+        frame = pd.DataFrame({"key": key, "step": step, "cut": cut, "lost": lost, "n_zero": n_zero,
+                              "undecided": undecided, "l2sq": np.square(l2), "numel": numel})
+        grouped = frame.groupby(["key", "step"], sort=False)
+        merged = grouped.agg(cut=("cut", "first"), lost=("lost", "sum"), n_zero=("n_zero", "sum"),
+                             undecided=("undecided", "sum"), l2sq=("l2sq", "sum"),
+                             numel=("numel", "sum")).reset_index()
+        sums = np.zeros((len(merged), self.bins + 1))
+        np.add.at(sums, grouped.ngroup().to_numpy(), cumsum)
+        merged["_c"] = np.arange(len(merged)) + len(self._cumsum)
+        self._cumsum = np.concatenate([self._cumsum, sums])
+        self._batch = merged
+        self._compact()
+
+    def _compact(self) -> None:
+        """Keep only the cumsums the latest samples (and this batch's) point at."""
+        held = (0 if self._last is None else len(self._last)) + len(self._batch)
+        if len(self._cumsum) > 4 * max(64, held):
+            parts = [t["_c"].to_numpy() for t in (self._last, self._batch) if t is not None]
+            keep = np.unique(np.concatenate(parts))
+            remap = np.full(len(self._cumsum), -1)
+            remap[keep] = np.arange(len(keep))
+            self._cumsum = self._cumsum[keep]
+            if self._last is not None:
+                self._last = self._last.assign(_c=remap[self._last["_c"].to_numpy()])
+            self._batch = self._batch.assign(_c=remap[self._batch["_c"].to_numpy()])
+
+    def carry(self, key, step, l2, numel, cut) -> tuple[np.ndarray, ...]:
+        """Light rows (one per key and step; ``cut``: log2 of each one's cut-off): (step, lost,
+        lost at the other end of the drift's range, zeros, undecided) of the rows answered, held
+        ones of earlier calls included. Each takes its key's latest sample at or before its step
+        (the first after it, before any); a row whose key has no sample yet waits for one."""
+        frame = pd.DataFrame({"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
+                              "l2": l2, "numel": numel, "cutq": cut})
+        if self._pending:
+            frame = pd.concat([*self._pending, frame], ignore_index=True)
+            self._pending, self._pending_rows = [], 0
+        empty = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0)
+        parts = [t for t in (self._last, self._batch) if t is not None]
+        if not parts or not len(frame):
+            self._hold(frame)
+            return empty
+        frame = frame.sort_values("step", kind="stable")
+        table = pd.concat(parts).drop_duplicates(["key", "step"], keep="last")
+        table = table.sort_values("step", kind="stable").rename(columns={"step": "at", "numel": "numel_s"})
+        table["step"] = table["at"]
+        got = pd.merge_asof(frame, table, on="step", by="key", direction="backward")
+        missing = got["at"].isna().to_numpy()
+        if missing.any():
+            ahead = pd.merge_asof(frame[missing], table, on="step", by="key", direction="forward")
+            got = pd.concat([got[~missing], ahead], ignore_index=True)
+            missing = got["at"].isna().to_numpy()
+            self._hold(got.loc[missing, frame.columns])
+            got = got[~missing]
+        return (got["step"].to_numpy(dtype=np.int64), *self._evaluate(got))
+
+    def _evaluate(self, got: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        numel_s = np.maximum(got["numel_s"].to_numpy(float), 1.0)
+        ratio = got["numel"].to_numpy(float) / numel_s
+        l2, l2s = got["l2"].to_numpy(float), np.sqrt(got["l2sq"].to_numpy(float))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            drift = np.log2(l2 / l2s)
+        drift = np.where(np.isfinite(drift), drift, 0.0)  # a zero or non-finite norm: no drift to read
+        lost_s = got["lost"].to_numpy(float)
+        model = UnderflowModel(None, got["cut"].to_numpy(float), lost_s, self.min_exp,
+                               cumsum=self._cumsum[got["_c"].to_numpy(dtype=np.int64)])
+        zeros_s = got["n_zero"].to_numpy(float)
+        structure = np.maximum(zeros_s - lost_s - got["undecided"].to_numpy(float), 0.0)
+        # No more lost than the sample's elements that are not structure.
+        cut = got["cutq"].to_numpy(float)
+        at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
+        # The small values may move faster than the norm: a gradient computed from output
+        # gradients that underflowed upstream loses elements its own histogram does not show.
+        # Up to twice the drift is counted as undecided.
+        one, two = at(drift), at(DRIFT_RANGE * drift)
+        lost, lost_hi = np.minimum(one, two), np.maximum(one, two)
+        undecided = got["undecided"].to_numpy(float)
+        return lost * ratio, lost_hi * ratio, (structure + undecided + lost) * ratio, undecided * ratio
+
+    def _hold(self, frame: pd.DataFrame) -> None:
+        if not len(frame):
+            return
+        if self._pending_rows + len(frame) > MAX_PENDING_ROWS:
+            self.dropped += len(frame)  # (their steps keep their sample-less sums: said in the docs)
+            return
+        self._pending.append(frame)
+        self._pending_rows += len(frame)
+
+    def finish(self) -> tuple[np.ndarray, ...]:
+        """The held light rows, answered by whatever samples were read (after the last batch)."""
+        return self.carry(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))

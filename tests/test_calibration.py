@@ -1,0 +1,124 @@
+"""Measurements calibrate the estimates around them; light steps follow their tensors' drift
+(``ampdoctor/analysis/calibration.py``). Checked against the truth measured beside training
+(``architectures.train_recorded``: an fp32 and a float64 reference backward on the training
+weights before every step the recorder samples), at the recorder's default measure cadence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ampdoctor.analysis.calibration import Measurements, calibrated
+from ampdoctor.analysis.report import report_data
+
+import architectures as A
+
+needs_transformers = pytest.mark.skipif(A.transformers is None, reason="needs transformers (the test extra)")
+
+
+def _tolerance(t: A.Truth) -> float:
+    return max(0.005, 0.25 * t.rate) + t.undecided_rate
+
+
+def test_a_measurement_calibrates_the_steps_after_it_and_the_first_one_those_before():
+    m = Measurements()
+    m.add(np.array([7, 7, 9]), np.array([100, 300, 100]), n_zero=np.array([50.0, 80.0, 10.0]),
+          n_underflow=np.array([40.0, 40.0, 0.0]), numel=np.array([100.0, 100.0, 100.0]))
+    share, _, distance = m.nearest(np.array([7, 7, 7, 7, 9, 8]), np.array([50, 100, 200, 900, 5, 200]))
+    assert share[:4].tolist() == [0.1, 0.1, 0.1, 0.4] and distance[:4].tolist() == [50, 0, 100, 600]
+    assert share[4] == 0.1 and distance[4] == 95
+    assert np.isnan(share[5]) and np.isnan(distance[5])  # never measured: the heuristic stands
+    # The zeros less the structure, within [0, the heuristic's upper bound]; unmeasured: the estimate.
+    got = calibrated(np.array([30.0, 5.0, 30.0, 30.0]), np.full(4, 100.0), np.array([0.1, 0.1, 0.1, np.nan]),
+                     estimate=np.array([1.0, 1.0, 1.0, 3.0]), upper=np.array([30.0, 30.0, 12.0, 30.0]))
+    assert got.tolist() == [20.0, 0.0, 12.0, 3.0]
+    # A weight whose measurement found no line underflowed: its lines are structure at any step (a
+    # unit that died since), so only its zeros outside lines, less the scattered structure, count.
+    m.add(np.array([11]), np.array([0]), n_zero=np.array([30.0]), n_underflow=np.array([5.0]),
+          numel=np.array([100.0]), n_zero_lines=np.array([20.0]))  # 10 scattered zeros: 5 structure
+    share, scattered, _ = m.nearest(np.array([11]), np.array([100]))
+    assert share.tolist() == [0.25] and scattered.tolist() == [0.05]
+    got = calibrated(np.array([50.0]), np.array([100.0]), share, np.array([0.0]), np.array([50.0]),
+                     scattered, n_zero_lines=np.array([40.0]))
+    assert got.tolist() == [5.0]  # (without the lines: 50 - 25 = 25, the 20 new line zeros as underflow)
+    assert calibrated(np.array([50.0]), np.array([100.0]), share, np.array([0.0]), np.array([50.0])).tolist() == [25.0]
+
+
+def _judge(path, truth: A.RunTruth) -> tuple[int, int, list]:
+    rows = {(r["kind"], r["name"]): r for r in report_data(path)["layers"]}
+    total, misses = 0, []
+    for kind in ("param_grad", "grad_output"):
+        for name, t in truth.averaged(kind).items():
+            row = rows.get((kind, name))
+            if row is None or not t.numel:
+                continue
+            total += 1
+            est, upper = row["underflow_rate"], row["underflow_rate_max"]
+            if est is None or abs(est - t.rate) > _tolerance(t):
+                misses.append((kind, name, est, upper, t.rate))
+    return total, len(misses), misses
+
+
+@needs_transformers
+@pytest.mark.parametrize("name, scale, factor, every, steps", [
+    ("gpt2", 1.0, 2.0**-14, 10, 30),   # the issue's: wte, wpe, c_attn read 21-50% against 62-72%
+    ("gpt2", 1.0, 2.0**-8, 10, 30),
+    ("cnn", 64.0, 1e-5, 1, 12),        # the issue's: the convolutions read 2% against 22% every step
+    ("cnn", 1.0, 1e-5, 1, 12),
+    ("nanogpt", 1.0, 1e-4, 10, 30),
+])
+def test_estimated_steps_between_measurements_match_the_truth(tmp_path, name, scale, factor, every, steps):
+    """At the default measure cadence (step 0 measured, the other sampled steps estimated), the
+    per-tensor underflow the report prints, averaged over the sampled steps, is within max(0.5 pp,
+    25%) of the truth for at least 95% of parameter and module output gradients (all of them
+    here; a handful more than 5% off was the rule before calibration)."""
+    torch.set_num_threads(1)
+    path = tmp_path / "run.parquet"
+    truth = A.train_recorded(name, path, steps, init_scale=scale, loss_factor=factor, every=every)
+    assert any(t.rate > 0.01 for t in truth.averaged().values())  # it does underflow
+    total, off, misses = _judge(path, truth)
+    assert total >= 15 and off <= 0.05 * total, misses
+    layers = report_data(path)["layers"]
+    estimated = [r for r in layers if r["kind"] != "output" and r["underflow_measured"] is not None]
+    assert estimated and all(r["underflow_measured"] < 1 and r["measure_distance"] > 0 for r in estimated)
+
+
+@needs_transformers
+def test_a_run_whose_gradients_shrink_is_followed_between_samples(tmp_path):
+    """The loss (so every gradient) shrinks 2^4 over 40 steps; ``every=100`` samples and measures
+    step 0 only. The run's underflow over its applied steps follows each tensor's norm: within
+    max(0.5 pp, 25%) of the truth, which lies in the range (it read 7.3% when the light steps kept
+    their sample's zeros; the truth is 37%)."""
+    torch.set_num_threads(1)
+    path = tmp_path / "run.parquet"
+    truth = A.train_recorded("nanogpt", path, 40, init_scale=1.0, loss_factor=1e-4, every=100, outputs=False,
+                             every_step_truth=True, loss_factor_at=lambda step: 2.0 ** (-4 * step / 40))
+    true, true_max = truth.run_rate()
+    current = report_data(path)["recommendation"]["current"]
+    low, high = current["underflow_rate_min"], current["underflow_rate_max"]
+    assert true > 0.2 and abs(low - true) <= max(0.005, 0.25 * true), (low, true)
+    assert low <= true <= high, (low, true, high)
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", ["nanogpt", "cnn", "gpt2"])
+def test_retraining_with_the_recommendation_underflows_as_predicted(tmp_path, name):
+    """Underflowing badly (scale 1, loss x 1e-5), re-trained with the recommended settings: the
+    true underflow over the applied steps within max(0.05 pp, 25%) of the predicted range, and the
+    skipped steps as predicted (within 2)."""
+    torch.set_num_threads(1)
+    kw = dict(loss_factor=1e-5, outputs=False, every_step_truth=True)
+    before = A.train_recorded(name, tmp_path / "a.parquet", 40, init_scale=1.0, **kw)
+    assert before.run_rate()[0] > 0.1
+    rec = report_data(tmp_path / "a.parquet")["recommendation"]
+    assert rec["verdict"] == "change" and rec["init_scale"] > 1
+    after = A.train_recorded(name, tmp_path / "b.parquet", 40, init_scale=rec["init_scale"],
+                             growth_interval=rec["growth_interval"], growth_factor=rec["growth_factor"],
+                             backoff_factor=rec["backoff_factor"], **kw)
+    low, high = rec["predicted"]["underflow_rate_min"], rec["predicted"]["underflow_rate_max"]
+    true, true_max = after.run_rate()
+    tolerance = max(0.0005, 0.25 * true)
+    assert low - tolerance <= true_max and true <= high + tolerance, (low, high, true, true_max)
+    skipped = report_data(tmp_path / "b.parquet")["scale"]["skipped_steps"]
+    assert abs(skipped - rec["predicted"]["skipped_steps"]) <= 2
