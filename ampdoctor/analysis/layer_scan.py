@@ -105,6 +105,22 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     return scan
 
 
+def _pair_ids(batch: pa.RecordBatch, ids: dict[tuple[str, str], int], new=None) -> np.ndarray:
+    """Per row, the id in ``ids`` of its (name, kind), from the small per-batch dictionaries (not
+    the strings); a pair not in ``ids`` gets ``new(pair, its first row)`` there, or -1 without
+    ``new``."""
+    (names, name_idx), (kinds, kind_idx) = (_dictionary(batch.column(c)) for c in ("name", "kind"))
+    pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
+    unique, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    local = np.empty(len(unique), dtype=np.int64)
+    for i, code in enumerate(unique):
+        key = (names[code // len(kinds)], kinds[code % len(kinds)])
+        if key not in ids and new is not None:
+            ids[key] = new(key, first[i])
+        local[i] = ids.get(key, -1)
+    return local[inverse.ravel()]
+
+
 def _dictionary(column: pa.Array) -> tuple[list[str], np.ndarray]:
     """A string column as (its distinct values, each row's index into them)."""
     if not isinstance(column, pa.DictionaryArray):
@@ -151,19 +167,15 @@ class _Accumulator:
 
     def _layer_ids(self, batch: pa.RecordBatch) -> np.ndarray:
         """Global layer ids of the rows, from the small per-batch dictionaries (not the strings)."""
-        (names, name_idx), (kinds, kind_idx), (dtypes, dtype_idx) = (
-            _dictionary(batch.column(c)) for c in ("name", "kind", "dtype"))
-        pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
-        unique, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
-        local = np.empty(len(unique), dtype=np.int64)
-        for i, code in enumerate(unique):
-            key = (names[code // len(kinds)], kinds[code % len(kinds)])
-            if key not in self.ids:
-                self.ids[key] = len(self.ids)
-                self.dtypes.append(dtypes[dtype_idx[first[i]]])
-            local[i] = self.ids[key]
+        dtypes, dtype_idx = _dictionary(batch.column("dtype"))
+
+        def new(key: tuple[str, str], first_row: int) -> int:
+            self.dtypes.append(dtypes[dtype_idx[first_row]])
+            return len(self.ids)
+
+        ids = _pair_ids(batch, self.ids, new)
         self._grow(len(self.ids))
-        return local[inverse.ravel()]
+        return ids
 
     def _grow(self, n: int) -> None:
         size = self.amax.shape[0]
@@ -202,16 +214,7 @@ class _Accumulator:
     def _measure_ids(self, batch: pa.RecordBatch, register: bool = False) -> np.ndarray:
         """Per row, the id of its (name, kind) among the measured layers (-1: never measured). Apart
         from the layer ids, which keep the order layers are met in the main pass."""
-        (names, name_idx), (kinds, kind_idx) = (_dictionary(batch.column(c)) for c in ("name", "kind"))
-        pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
-        unique, inverse = np.unique(pair, return_inverse=True)
-        local = np.empty(len(unique), dtype=np.int64)
-        for i, code in enumerate(unique):
-            name_kind = (names[code // len(kinds)], kinds[code % len(kinds)])
-            if register and name_kind not in self.measure_ids:
-                self.measure_ids[name_kind] = len(self.measure_ids)
-            local[i] = self.measure_ids.get(name_kind, -1)
-        return local[inverse.ravel()]
+        return _pair_ids(batch, self.measure_ids, (lambda key, row: len(self.measure_ids)) if register else None)
 
     def add(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
             width: int) -> None:
