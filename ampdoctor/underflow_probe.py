@@ -134,10 +134,11 @@ class ShadowBackward(TorchDispatchMode):
 
     def lost_values(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """For each of ``tensors``, its shadow's values where the real tensor is 0 (what
-        underflowed, at its float32 magnitude), 0 elsewhere, as float32; an empty tensor where
-        there is no usable shadow. Written into the shadows themselves (so they hold nothing more
-        after it: call it last, once the step's counts are taken): no second float32 copy of every
-        gradient. Runs paused. No sync."""
+        underflowed, at its float32 magnitude), 0 elsewhere, as float32 and flat (its histogram is
+        what is wanted: a flat tensor has no zero lines to look for); an empty tensor where there
+        is no usable shadow. Written into the shadows themselves (so they hold nothing more after
+        it: call it last, once the step's counts are taken): no second copy of every gradient (a
+        bfloat16 shadow, rare, is copied to float32). Runs paused. No sync."""
         out = []
         with self.paused(), torch.no_grad():
             for t in tensors:
@@ -146,7 +147,7 @@ class ShadowBackward(TorchDispatchMode):
                     out.append(torch.zeros(0, dtype=torch.float32, device=t.device))
                     continue
                 self._shadows[t] = UNMEASURED  # (its values are no longer the gradient's shadow)
-                out.append(shadow.masked_fill_(t != 0, 0).float())
+                out.append(shadow.masked_fill_(t != 0, 0).float().reshape(-1))
         return out
 
     def counts(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

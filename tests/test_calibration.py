@@ -122,3 +122,54 @@ def test_retraining_with_the_recommendation_underflows_as_predicted(tmp_path, na
     assert low - tolerance <= true_max and true <= high + tolerance, (low, high, true, true_max)
     skipped = report_data(tmp_path / "b.parquet")["scale"]["skipped_steps"]
     assert abs(skipped - rec["predicted"]["skipped_steps"]) <= 2
+
+
+@needs_transformers
+def test_simulate_at_the_recorded_settings_reads_the_calibrated_layers(tmp_path):
+    """``simulate`` re-reads the parameter rows: at the run's own settings each layer's predicted
+    underflow is the report's (calibrated) figure, not the heuristic's."""
+    from ampdoctor.analysis.simulate import simulate_data
+
+    torch.set_num_threads(1)
+    path = tmp_path / "run.parquet"
+    A.train_recorded("gpt2", path, 30, init_scale=1.0, loss_factor=2.0**-14, every=10, outputs=False)
+    report = {r["name"]: r for r in report_data(path)["layers"] if r["kind"] == "param_grad"}
+    simulated = {r["name"]: r for r in simulate_data(path)["layers"]}
+    assert report.keys() == simulated.keys()
+    for name, row in report.items():
+        assert simulated[name]["underflow_rate_min"] == pytest.approx(row["underflow_rate"], abs=1e-9), name
+    assert report["transformer.wte.weight"]["underflow_rate"] > 0.1  # (the heuristic read 8.5%, the truth 12.7%)
+
+
+def test_lines_are_structure_only_where_the_measurement_saw_them_so():
+    """A measurement with no line structure at all (every zero underflowed) says nothing of lines:
+    lines that appear later (a weight losing whole lines at a lower scale) are not structure."""
+    m = Measurements()
+    m.add(np.array([21]), np.array([0]), n_zero=np.array([10.0]), n_underflow=np.array([10.0]),
+          numel=np.array([100.0]), n_zero_lines=np.array([0.0]))
+    share, scattered, _ = m.nearest(np.array([21]), np.array([50]))
+    assert share.tolist() == [0.0] and np.isnan(scattered).all()
+    got = calibrated(np.array([50.0]), np.array([100.0]), share, np.array([0.0]), np.array([50.0]), scattered,
+                     n_zero_lines=np.array([40.0]))
+    assert got.tolist() == [50.0]
+
+
+def test_a_light_row_before_its_tensor_s_first_sample_takes_that_sample():
+    """Held until its tensor is sampled, a light row is answered by the first sample after it, even
+    when a later sample arrived in the same batch and no light row came to ask in between."""
+    from ampdoctor.analysis.calibration import Samples
+
+    bins, min_exp = 64, -56
+    samples = Samples(bins, min_exp)
+    empty = np.zeros(0)
+    # (another tensor sampled first: the latest samples are kept per tensor from then on)
+    samples.add_samples(np.array([2]), np.array([0]), np.zeros((1, bins + 1)), np.array([-25.0]), np.ones(1),
+                        np.ones(1), np.zeros(1), np.ones(1), np.full(1, 100.0))
+    got = samples.carry(np.array([1]), np.array([3]), np.array([1.0]), np.array([100.0]), np.array([-25.0]))
+    assert len(got[0]) == 0  # held: no sample yet
+    cumsum = np.zeros((2, bins + 1))
+    samples.add_samples(np.array([1, 1]), np.array([20, 30]), cumsum, np.array([-25.0, -25.0]),
+                        np.array([5.0, 50.0]), np.array([5.0, 50.0]), np.zeros(2), np.ones(2), np.full(2, 100.0))
+    samples.add_samples(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, bins + 1)), *[empty] * 6)
+    step, lost, lost_hi, zeros, undecided = samples.finish()
+    assert step.tolist() == [3] and lost.tolist() == [5.0] and zeros.tolist() == [5.0]

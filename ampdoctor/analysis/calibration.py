@@ -90,8 +90,9 @@ class Measurements:
                 # units, unused rows, masked or ignored positions) and the scattered
                 # structure is what carries: a unit that dies later is not read as underflow.
                 # (A ReLU's scattered mask makes lines only by chance: not those.)
+                lines = frame["structure"] - frame["scattered"]
                 lines_structural = (np.isfinite(frame["scattered"]) & (frame["scattered"] >= 0)
-                                    & (frame["scattered"] <= frame["structure"] / 2))
+                                    & (lines >= np.maximum(1.0, frame["structure"] / 2)))
                 frame["scattered_share"] = np.where(lines_structural, frame["scattered"], np.nan) / frame["numel"].where(
                     frame["numel"] > 0)
                 self._parts = [frame[["key", "step", "structure", "scattered", "numel"]]]
@@ -213,6 +214,7 @@ class Samples:
         self._last: pd.DataFrame | None = None      # one row per key: its latest sample before this batch
         self._cumsum = np.zeros((0, bins + 1))       # row i: the histogram cumsum of sample i
         self._batch: pd.DataFrame | None = None      # the samples of the batch being read
+        self._first: pd.DataFrame | None = None      # one row per key: its first sample (for rows before it)
         self._pending: list[pd.DataFrame] = []
         self._pending_rows = 0
         self.dropped = 0                             # light rows that found no sample (beyond MAX_PENDING_ROWS)
@@ -238,20 +240,21 @@ class Samples:
         merged["_c"] = np.arange(len(merged)) + len(self._cumsum)
         self._cumsum = np.concatenate([self._cumsum, sums])
         self._batch = merged
+        first = merged.sort_values("step", kind="stable").groupby("key").head(1)
+        self._first = first if self._first is None else pd.concat([self._first, first]).sort_values(
+            "step", kind="stable").groupby("key").head(1)
         self._compact()
 
     def _compact(self) -> None:
         """Keep only the cumsums the latest samples (and this batch's) point at."""
-        held = (0 if self._last is None else len(self._last)) + len(self._batch)
-        if len(self._cumsum) > 4 * max(64, held):
-            parts = [t["_c"].to_numpy() for t in (self._last, self._batch) if t is not None]
-            keep = np.unique(np.concatenate(parts))
+        tables = [t for t in (self._last, self._batch, self._first) if t is not None]
+        if len(self._cumsum) > 4 * max(64, sum(len(t) for t in tables)):
+            keep = np.unique(np.concatenate([t["_c"].to_numpy() for t in tables]))
             remap = np.full(len(self._cumsum), -1)
             remap[keep] = np.arange(len(keep))
             self._cumsum = self._cumsum[keep]
-            if self._last is not None:
-                self._last = self._last.assign(_c=remap[self._last["_c"].to_numpy()])
-            self._batch = self._batch.assign(_c=remap[self._batch["_c"].to_numpy()])
+            self._last, self._batch, self._first = (
+                None if t is None else t.assign(_c=remap[t["_c"].to_numpy()]) for t in (self._last, self._batch, self._first))
 
     def carry(self, key, step, l2, numel, cut) -> tuple[np.ndarray, ...]:
         """Light rows (one per key and step; ``cut``: log2 of each one's cut-off): (step, lost,
@@ -275,7 +278,10 @@ class Samples:
         got = pd.merge_asof(frame, table, on="step", by="key", direction="backward")
         missing = got["at"].isna().to_numpy()
         if missing.any():
-            ahead = pd.merge_asof(frame[missing], table, on="step", by="key", direction="forward")
+            # Before the key's first sample: that sample (the first after the row).
+            first = self._first.sort_values("step", kind="stable").rename(columns={"step": "at", "numel": "numel_s"})
+            first["step"] = first["at"]
+            ahead = pd.merge_asof(frame[missing], first, on="step", by="key", direction="forward")
             got = pd.concat([got[~missing], ahead], ignore_index=True)
             missing = got["at"].isna().to_numpy()
             self._hold(got.loc[missing, frame.columns])
@@ -297,9 +303,9 @@ class Samples:
         # No more lost than the sample's elements that are not structure.
         cut = got["cutq"].to_numpy(float)
         at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
-        # The small values may move faster than the norm: a gradient computed from output
-        # gradients that underflowed upstream loses elements its own histogram does not show.
-        # Up to twice the drift is counted as undecided.
+        # The small values may move faster than the norm, either way: a gradient computed from
+        # output gradients that underflowed upstream loses (or, growing, regains) elements its own
+        # histogram does not show. The loss at twice the drift is the range's other end.
         one, two = at(drift), at(DRIFT_RANGE * drift)
         lost, lost_hi = np.minimum(one, two), np.maximum(one, two)
         undecided = got["undecided"].to_numpy(float)
@@ -309,7 +315,7 @@ class Samples:
         if not len(frame):
             return
         if self._pending_rows + len(frame) > MAX_PENDING_ROWS:
-            self.dropped += len(frame)  # (their steps keep their sample-less sums: said in the docs)
+            self.dropped += len(frame)  # (their steps count nothing for them: docs/numerics.md)
             return
         self._pending.append(frame)
         self._pending_rows += len(frame)

@@ -70,6 +70,18 @@ class LayerScan:
     heatmap: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name → (high, low)
     step_rows: pa.Table | None = None          # the run's step rows (STEP_COLUMNS), met during the pass
     tails: Tails | None = None                 # what underflowed on measured steps, by magnitude (calibration.Tails)
+    measurements: Measurements | None = None   # the measured steps' structure (calibration.Measurements) ...
+    measure_ids: dict | None = None            # ... keyed by these ids of (name, kind) and the rank
+
+    def calibrate(self, names, kind: str, rank: np.ndarray, step: np.ndarray, n_zero: np.ndarray,
+                  numel: np.ndarray, estimate: np.ndarray, upper: np.ndarray, n_zero_lines: np.ndarray) -> np.ndarray:
+        """Estimated rows of ``kind`` calibrated by the run's measurements, as the layers are
+        (calibration.calibrated): for a consumer that reads the rows again (simulate)."""
+        if not self.measurements:
+            return estimate
+        ids = np.array([self.measure_ids.get((str(n), kind), -1) for n in names], dtype=np.int64)
+        share, scattered, _ = self.measurements.nearest(keys(ids, rank), step)
+        return calibrated(n_zero, numel, share, estimate, upper, scattered, n_zero_lines)
 
     @property
     def empty(self) -> bool:
@@ -100,7 +112,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
         if rows.num_rows:
             acc.add(rows.select(_COLUMNS), amp, min_exp, bins, first_step, width)
     scan = acc.result(first_step, width)
-    scan.tails = acc.tails
+    scan.tails, scan.measurements, scan.measure_ids = acc.tails, acc.measurements, acc.measure_ids
     scan.step_rows = pa.Table.from_batches(step_rows) if step_rows else empty_table(STEP_COLUMNS)
     return scan
 

@@ -19,7 +19,7 @@ from .run_analysis import Analysis, analyse
 from .scaler_config import with_defaults
 from .underflow import UnderflowModel, underflow_bounds, with_measured
 
-LAYER_COLUMNS = ["step", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "n_nan", "n_inf", "hist",
+LAYER_COLUMNS = ["step", "rank", "kind", "name", "scale", "numel", "n_zero", "n_subnormal", "n_nan", "n_inf", "hist",
                  "n_zero_lines", "n_underflow"]
 
 
@@ -61,8 +61,15 @@ def _predicted_layers(a: Analysis, outcome: Outcome) -> list[dict]:
         estimate, upper = underflow_bounds(hist, frame["n_zero"].to_numpy(dtype=np.float64),
                                            frame["n_subnormal"].to_numpy(dtype=np.float64), cut, a.series.min_exp,
                                            frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan))
-        # A measured step's count is the loss at its recorded scale (underflow_probe.py).
-        estimate, upper = with_measured(estimate, upper, frame["n_underflow"].to_numpy(dtype=np.float64, na_value=np.nan))
+        # A measured step's count is the loss at its recorded scale (underflow_probe.py); the
+        # other rows of a measured tensor are calibrated by it, as the layers table's are.
+        measured = frame["n_underflow"].to_numpy(dtype=np.float64, na_value=np.nan)
+        lines = frame["n_zero_lines"].to_numpy(dtype=np.float64, na_value=np.nan)
+        estimate = np.where(np.isnan(measured), a.scan.calibrate(
+            frame["name"].to_numpy(), "param_grad", frame["rank"].to_numpy(), frame["step"].to_numpy(),
+            frame["n_zero"].to_numpy(dtype=np.float64), frame["numel"].to_numpy(dtype=np.float64), estimate, upper,
+            lines), estimate)
+        estimate, upper = with_measured(estimate, upper, measured)
         model = UnderflowModel(hist, np.nan_to_num(cut, nan=0.0), np.nan_to_num(estimate, nan=0.0), a.series.min_exp)
         log2s = pd.Series(outcome.trajectory, index=a.series.steps).reindex(frame["step"]).to_numpy()
         lost = model.lost(np.log2(a.target.underflow_below) - log2s)

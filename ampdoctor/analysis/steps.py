@@ -263,7 +263,10 @@ def _drift_for(series: StepSeries, lost: np.ndarray, start: np.ndarray, rows: np
         mid = (lo + hi) / 2
         more = at(mid) > target
         lo, hi = np.where(more, mid, lo), np.where(more, hi, mid)
-    drift[idx] = np.where(off, (lo + hi) / 2, drift[idx])
+    solved = (lo + hi) / 2
+    # A loss the sample's histogram cannot give at any drift (more than it holds): the norm's drift.
+    reached = np.abs(at(solved) - target) <= 1e-3 * np.maximum(target, 1.0)
+    drift[idx] = np.where(off & reached, solved, drift[idx])
     return drift
 
 
@@ -278,7 +281,7 @@ def attach_tails(series: StepSeries, tails) -> None:
         return
     where = pd.Series(np.arange(len(steps)), index=steps).reindex(series.steps)
     at = _nearest_sampled(where.notna().to_numpy())
-    if not where.notna().any():  # no measured step among the series' own: the nearest by step number
+    if not where.notna().any():  # no measured step among the series' own: the next one (else the last)
         index = np.clip(np.searchsorted(steps, series.steps), 0, len(steps) - 1)
     else:
         index = where.to_numpy()[at].astype(np.int64)
