@@ -272,16 +272,12 @@ class Samples:
             self._hold(frame)
             return empty
         frame = frame.sort_values("step", kind="stable")
-        table = pd.concat(parts).drop_duplicates(["key", "step"], keep="last")
-        table = table.sort_values("step", kind="stable").rename(columns={"step": "at", "numel": "numel_s"})
-        table["step"] = table["at"]
+        table = _as_of(pd.concat(parts).drop_duplicates(["key", "step"], keep="last"))
         got = pd.merge_asof(frame, table, on="step", by="key", direction="backward")
         missing = got["at"].isna().to_numpy()
         if missing.any():
             # Before the key's first sample: that sample (the first after the row).
-            first = self._first.sort_values("step", kind="stable").rename(columns={"step": "at", "numel": "numel_s"})
-            first["step"] = first["at"]
-            ahead = pd.merge_asof(frame[missing], first, on="step", by="key", direction="forward")
+            ahead = pd.merge_asof(frame[missing], _as_of(self._first), on="step", by="key", direction="forward")
             got = pd.concat([got[~missing], ahead], ignore_index=True)
             missing = got["at"].isna().to_numpy()
             self._hold(got.loc[missing, frame.columns])
@@ -323,3 +319,11 @@ class Samples:
     def finish(self) -> tuple[np.ndarray, ...]:
         """The held light rows, answered by whatever samples were read (after the last batch)."""
         return self.carry(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
+
+
+def _as_of(samples: pd.DataFrame) -> pd.DataFrame:
+    """Samples as ``merge_asof`` takes them: sorted by step, their step kept as ``at`` and their
+    elements as ``numel_s`` (the light rows have their own)."""
+    table = samples.sort_values("step", kind="stable").rename(columns={"step": "at", "numel": "numel_s"})
+    table["step"] = table["at"]
+    return table
