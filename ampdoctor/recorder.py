@@ -349,8 +349,16 @@ class Recorder:
             hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins, layouts=self._layouts,
             lines="features"))
         measured = self._probe.count(tensor) if self._probe_active and kind == "grad_output" else None
+        lost = None
+        if measured is not None:
+            # The magnitudes of what underflowed (underflow_hist): how much of the count may be
+            # rounding noise (analysis/calibration.py). A copy: the backward still reads the shadow.
+            values = self._probe.lost_copy(tensor)
+            if values is not None:
+                lost = full_stats([values], inv_scale=inv, subnormal_below=float_format(tensor.dtype).smallest_normal,
+                                  hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins)
         self._tap_obs.append(TapObservation(kind, call, order, dtype_name(tensor.dtype), tensor.numel(), stats,
-                                            measured))
+                                            measured, lost))
 
     def _inv_scale(self, device: torch.device) -> torch.Tensor | None:
         """1/scale as torch's unscale_ computes it, on ``device`` (once per step and device)."""
@@ -511,12 +519,12 @@ class Recorder:
                 _copy_gemm(record.gemm, copy)
         record.scalars = copy(scalars) if scalars is not None else None
         items = (*record.groups, *record.taps)
-        lost = [g for g in record.groups if g.lost is not None]
-        copied = stats_to_host([item.stats for item in items] + [g.lost for g in lost], copy)
+        lost = [item for item in items if item.lost is not None]
+        copied = stats_to_host([item.stats for item in items] + [item.lost for item in lost], copy)
         for item, stats in zip(items, copied):
             item.stats = stats  # (one copy for all the packed statistics of a device)
-        for group, stats in zip(lost, copied[len(items):]):
-            group.lost = stats
+        for item, stats in zip(lost, copied[len(items):]):
+            item.lost = stats
         for group in record.groups:
             if group.measured is not None:
                 group.measured = copy(group.measured)

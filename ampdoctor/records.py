@@ -41,6 +41,7 @@ class TapObservation:
     numel: int
     stats: FullStats | tuple | None   # full statistics, or the (min, max) extremes of light ones
     measured: torch.Tensor | None = None  # 0-dim int64 on the device: measured underflow (grad_output, measured steps)
+    lost: FullStats | None = None  # measured steps: full statistics of what underflowed (underflow_hist)
 
 
 @dataclass

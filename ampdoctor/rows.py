@@ -59,8 +59,11 @@ def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: i
                          lost_hists=lost_hists)]
     if record.taps:
         tap_stats = HostStats.concat([t.stats.decode() for t in record.taps])
+        tap_lost = [np.asarray(t.lost.decode().hist, dtype=np.int64).reshape(-1) if t.lost is not None else None
+                    for t in record.taps]
         blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(tap_stats), taps=record.taps,
-                                 measured=None if record.tap_measured is None else record.tap_measured.tolist()))
+                                 measured=None if record.tap_measured is None else record.tap_measured.tolist(),
+                                 lost_hists=tap_lost if any(h is not None for h in tap_lost) else None))
     if record.params is not None:
         blocks.append(_param_rows(step, record.params, float_format(record.amp_dtype).max))
     if record.gemm is not None:

@@ -41,7 +41,8 @@ generated kernels do both: a backward that runs one is found by the recorder and
 gradient that is mathematically zero (an attention key bias) can be rounding noise in the shadow,
 computed from the half-precision activations, and count as underflow where the half backward gives
 exactly 0: a float64 shadow computes from the same rounded activations and cannot tell either
-(tried: the same 4 of 2556 parameter gradients of benchmarks/underflow_accuracy.py off). A
+(tried: the same 4 of 2556 parameter gradients of benchmarks/underflow_accuracy.py off); the
+magnitudes of what underflowed (``underflow_hist``) let the report's range leave such noise out. A
 user-given ``backward(gradient=...)`` is not seeded: nothing is measured. Cost: every op of the
 measured step's backward goes through Python and runs twice (in float32); memory: a float32 shadow
 per live gradient, the parameter gradients' until the step ends. Measured steps are rare
@@ -149,6 +150,17 @@ class ShadowBackward(TorchDispatchMode):
                 self._shadows[t] = UNMEASURED  # (its values are no longer the gradient's shadow)
                 out.append(shadow.masked_fill_(t != 0, 0).float().reshape(-1))
         return out
+
+    def lost_copy(self, real: torch.Tensor) -> torch.Tensor | None:
+        """``real``'s shadow's values where ``real`` is 0 (what underflowed), 0 elsewhere, flat,
+        as a new bfloat16 tensor (the shadow stays: the backward still reads it; bfloat16 keeps
+        float32's binades at half its memory, and a binade histogram is what is wanted); None
+        when ``real`` has no usable shadow. Runs paused. No sync."""
+        shadow = self.shadow(real)
+        if shadow is None:
+            return None
+        with self.paused(), torch.no_grad():
+            return shadow.to(torch.bfloat16).masked_fill_(real != 0, 0).reshape(-1)
 
     def counts(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """int64 ``[len(tensors)]`` of :meth:`count` on one device, -1 where a tensor is not

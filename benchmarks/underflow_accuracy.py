@@ -12,7 +12,8 @@ sampled, 2 measured). Before every step the recorder samples, the truth is measu
 Each parameter gradient and module output gradient row of ``report_data``'s layers table (averaged
 over the sampled steps) is compared with the truth averaged the same way: within tolerance
 (max(0.5 percentage points, 25% of the truth), plus the elements the reference cannot decide),
-and the truth within the reported range [underflow, at most] (same tolerance). Rows are counted
+and the truth within the reported range [``underflow_rate_min``, ``underflow_rate_max``] (same
+tolerance); the summary gives how far, on average, each end lies from the point. Rows are counted
 apart by whether all their steps were measured (``measured``) or some were estimated
 (``estimated``). A row whose rate is unknown (0 everywhere) is judged by its range only.
 
@@ -55,11 +56,11 @@ def judge(rows: dict[str, dict], truth: dict[str, A.Truth]) -> list[dict]:
         row, t = rows[name], truth[name]
         if not t.numel:
             continue
-        estimate, upper = row["underflow_rate"], row["underflow_rate_max"]
+        estimate, lower, upper = row["underflow_rate"], row["underflow_rate_min"], row["underflow_rate_max"]
         tolerance = max(0.005, 0.25 * t.rate) + t.undecided_rate
         within = None if estimate is None else bool(abs(estimate - t.rate) <= tolerance)
-        in_range = (estimate or 0.0) - tolerance <= t.rate <= (upper if upper is not None else 1.0) + tolerance
-        out.append({"name": name, "estimate": estimate, "at_most": upper, "truth": round(t.rate, 6),
+        in_range = (lower or 0.0) - tolerance <= t.rate <= (upper if upper is not None else 1.0) + tolerance
+        out.append({"name": name, "estimate": estimate, "at_least": lower, "at_most": upper, "truth": round(t.rate, 6),
                     "undecided": round(t.undecided_rate, 6), "within_tolerance": within, "in_range": bool(in_range),
                     "numel": t.numel, "measured": row.get("underflow_measured"),
                     "measure_distance": row.get("measure_distance")})
@@ -94,8 +95,17 @@ def summarise(cases: list[dict]) -> dict:
                 "rows": len(rows), "unknown": len(rows) - len(known),
                 "within_tolerance_share": round(sum(r["within_tolerance"] for r in known) / max(len(known), 1), 4),
                 "outside_tolerance": sum(r["within_tolerance"] is False for r in rows),
-                "outside_range": sum(not r["in_range"] for r in rows)}
+                "outside_range": sum(not r["in_range"] for r in rows),
+                # How wide the ranges are: the mean distance from the point to each end (pp).
+                "mean_below_point_pp": _mean_pp([r["estimate"] - r["at_least"] for r in known
+                                                 if r["at_least"] is not None]),
+                "mean_above_point_pp": _mean_pp([r["at_most"] - r["estimate"] for r in known
+                                                 if r["at_most"] is not None])}
     return summary
+
+
+def _mean_pp(values: list[float]) -> float | None:
+    return round(100 * sum(values) / len(values), 3) if values else None
 
 
 def main() -> None:

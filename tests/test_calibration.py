@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ampdoctor.analysis.calibration import Measurements, calibrated
+from ampdoctor.analysis.calibration import NOISE_LOG2, Measurements, Tails, calibrated, calibrated_low, still_lost
 from ampdoctor.analysis.report import report_data
 
 import architectures as A
@@ -25,7 +25,8 @@ def test_a_measurement_calibrates_the_steps_after_it_and_the_first_one_those_bef
     m = Measurements()
     m.add(np.array([7, 7, 9]), np.array([100, 300, 100]), n_zero=np.array([50.0, 80.0, 10.0]),
           n_underflow=np.array([40.0, 40.0, 0.0]), numel=np.array([100.0, 100.0, 100.0]))
-    share, _, distance = m.nearest(np.array([7, 7, 7, 7, 9, 8]), np.array([50, 100, 200, 900, 5, 200]))
+    found = m.nearest(np.array([7, 7, 7, 7, 9, 8]), np.array([50, 100, 200, 900, 5, 200]))
+    share, distance = found.share, found.distance
     assert share[:4].tolist() == [0.1, 0.1, 0.1, 0.4] and distance[:4].tolist() == [50, 0, 100, 600]
     assert share[4] == 0.1 and distance[4] == 95
     assert np.isnan(share[5]) and np.isnan(distance[5])  # never measured: the heuristic stands
@@ -37,7 +38,8 @@ def test_a_measurement_calibrates_the_steps_after_it_and_the_first_one_those_bef
     # unit that died since), so only its zeros outside lines, less the scattered structure, count.
     m.add(np.array([11]), np.array([0]), n_zero=np.array([30.0]), n_underflow=np.array([5.0]),
           numel=np.array([100.0]), n_zero_lines=np.array([20.0]))  # 10 scattered zeros: 5 structure
-    share, scattered, _ = m.nearest(np.array([11]), np.array([100]))
+    found = m.nearest(np.array([11]), np.array([100]))
+    share, scattered = found.share, found.scattered
     assert share.tolist() == [0.25] and scattered.tolist() == [0.05]
     got = calibrated(np.array([50.0]), np.array([100.0]), share, np.array([0.0]), np.array([50.0]),
                      scattered, n_zero_lines=np.array([40.0]))
@@ -45,19 +47,79 @@ def test_a_measurement_calibrates_the_steps_after_it_and_the_first_one_those_bef
     assert calibrated(np.array([50.0]), np.array([100.0]), share, np.array([0.0]), np.array([50.0])).tolist() == [25.0]
 
 
-def _judge(path, truth: A.RunTruth) -> tuple[int, int, list]:
+def test_the_range_of_a_calibrated_row_reaches_down_to_what_may_be_structure():
+    """A calibrated row's point counts every zero gained since the measurement as underflow; its
+    range's lower end is the least of that, the heuristic's estimate and the measured share."""
+    got = calibrated_low(np.full(4, 100.0), cal=np.array([20.0, 20.0, 20.0, 20.0]),
+                         heuristic=np.array([5.0, 30.0, np.nan, 30.0]), lost=np.array([0.1, 0.01, 0.5, np.nan]))
+    assert got.tolist() == [5.0, 1.0, 20.0, 20.0]
+    m = Measurements(bins=8)
+    hist = np.zeros((1, 8))
+    hist[0, 2], hist[0, 5] = 1, 3  # lost at 2^-8..2^-7 and 2^-5..2^-4 (min_exp -10), the cut-off 2^-3
+    m.add(np.array([3]), np.array([0]), n_zero=np.array([30.0]), n_underflow=np.array([4.0]), numel=np.array([100.0]),
+          hist=hist, l2=np.array([2.0]))
+    found = m.nearest(np.array([3, 3]), np.array([10, 20]))
+    assert found.lost.tolist() == [0.04, 0.04] and found.l2.tolist() == [2.0, 2.0]
+    # What the measurement lost is lost still where the gradient did not grow; one that grew by a
+    # binade may have grown 3 (DRIFT_RANGE): only what lay 3 binades below the cut-off stays lost.
+    drift = np.log2(np.array([1.0, 4.0]) / found.l2)
+    assert still_lost(found.hist, -10, np.array([-3.0, -3.0]), drift).tolist() == [4.0, 1.0]
+    assert np.isnan(still_lost(found.hist, -10, np.array([-3.0]), np.array([np.nan]))).all()
+    got = calibrated_low(np.full(2, 100.0), cal=np.full(2, 20.0), heuristic=np.full(2, 30.0),
+                         lost=found.lost, still=np.array([1.0, np.nan]))
+    assert got.tolist() == [1.0, 4.0]  # (no histogram: the measured share of the elements)
+
+
+def test_a_measured_row_s_range_leaves_out_what_may_be_rounding_noise():
+    """Lost elements below the step's largest peak times 2^NOISE_LOG2 may be float32 noise (a key
+    bias's mathematically zero gradient): the lower end of a measured count leaves them out."""
+    tails = Tails(bins=40, min_exp=-60)
+    hist = np.zeros((2, 40))
+    hist[0, 20], hist[0, 35] = 3, 2     # bins [2^-40, 2^-39) and [2^-25, 2^-24)
+    hist[1, 35] = 4
+    tails.add(np.array([5, 5]), hist, amax=np.array([2.0**-1, 2.0**-6]), cut_log2=np.array([-25.0, -25.0]))
+    # The step's largest peak is 2^-1: noise may lie below 2^(-1 + NOISE_LOG2) = 2^-25.
+    assert NOISE_LOG2 == -24
+    assert tails.maybe_noise(np.array([5, 5, 6]), np.vstack([hist, hist[:1]])).tolist() == [3.0, 0.0, 0.0]
+
+
+@needs_transformers
+@pytest.mark.parametrize("scale, factor", [(1.0, 1.0), (256.0, 2.0**-14)])
+def test_a_measured_count_s_range_leaves_room_for_the_shadow_s_rounding_noise(tmp_path, scale, factor):
+    """GPT-2's attention input gradient (``c_attn``'s output gradient) and key bias are partly
+    mathematically zero: the shadow gives rounding noise there where the fp32 reference gives
+    exact zeros, so the measured count is above the truth (3.2% against 0.4% at scale 1); the
+    range's lower end leaves the noise out (its underflow_hist), and holds the truth, as it does
+    for every other row."""
+    torch.set_num_threads(1)
+    path = tmp_path / "run.parquet"
+    truth = A.train_recorded("gpt2", path, 1, init_scale=scale, loss_factor=factor)
+    total, _, outside = _judge(path, truth)
+    assert total > 50 and outside == []
+    name = "transformer.h.0.attn.c_attn"
+    row = next(r for r in report_data(path)["layers"] if (r["kind"], r["name"]) == ("grad_output", name))
+    t = truth.averaged("grad_output")[name]
+    assert row["underflow_measured"] == 1 and row["underflow_rate_min"] < row["underflow_rate"]
+    assert abs(row["underflow_rate_min"] - t.rate) <= max(0.005, 0.25 * t.rate)  # without the undecided elements
+
+
+def _judge(path, truth: A.RunTruth) -> tuple[int, list, list]:
+    """(rows judged, rows outside the tolerance, rows whose range misses the truth by more than it)."""
     rows = {(r["kind"], r["name"]): r for r in report_data(path)["layers"]}
-    total, misses = 0, []
+    total, off, outside = 0, [], []
     for kind in ("param_grad", "grad_output"):
         for name, t in truth.averaged(kind).items():
             row = rows.get((kind, name))
             if row is None or not t.numel:
                 continue
             total += 1
-            est, upper = row["underflow_rate"], row["underflow_rate_max"]
+            est, low, high = row["underflow_rate"], row["underflow_rate_min"], row["underflow_rate_max"]
+            miss = (kind, name, est, low, high, t.rate)
             if est is None or abs(est - t.rate) > _tolerance(t):
-                misses.append((kind, name, est, upper, t.rate))
-    return total, len(misses), misses
+                off.append(miss)
+            if not (low or 0.0) - _tolerance(t) <= t.rate <= high + _tolerance(t):
+                outside.append(miss)
+    return total, off, outside
 
 
 @needs_transformers
@@ -67,6 +129,7 @@ def _judge(path, truth: A.RunTruth) -> tuple[int, int, list]:
     ("cnn", 64.0, 1e-5, 1, 12),        # the issue's: the convolutions read 2% against 22% every step
     ("cnn", 1.0, 1e-5, 1, 12),
     ("nanogpt", 1.0, 1e-4, 10, 30),
+    ("t5", 16.0, 2.0**-14, 1, 12),     # decoder output gradients gain structural zeros after step 0
 ])
 def test_estimated_steps_between_measurements_match_the_truth(tmp_path, name, scale, factor, every, steps):
     """At the default measure cadence (step 0 measured, the other sampled steps estimated), the
@@ -77,28 +140,33 @@ def test_estimated_steps_between_measurements_match_the_truth(tmp_path, name, sc
     path = tmp_path / "run.parquet"
     truth = A.train_recorded(name, path, steps, init_scale=scale, loss_factor=factor, every=every)
     assert any(t.rate > 0.01 for t in truth.averaged().values())  # it does underflow
-    total, off, misses = _judge(path, truth)
-    assert total >= 15 and off <= 0.05 * total, misses
+    total, off, outside = _judge(path, truth)
+    assert total >= 15 and len(off) <= 0.05 * total, off
+    assert outside == []  # the truth within every row's range [underflow_rate_min, underflow_rate_max]
     layers = report_data(path)["layers"]
     estimated = [r for r in layers if r["kind"] != "output" and r["underflow_measured"] is not None]
     assert estimated and all(r["underflow_measured"] < 1 and r["measure_distance"] > 0 for r in estimated)
 
 
 @needs_transformers
-def test_a_run_whose_gradients_shrink_is_followed_between_samples(tmp_path):
+@pytest.mark.parametrize("name", ["nanogpt", "gpt2"])
+def test_a_run_whose_gradients_shrink_is_followed_between_samples(tmp_path, name):
     """The loss (so every gradient) shrinks 2^4 over 40 steps; ``every=100`` samples and measures
-    step 0 only. The run's underflow over its applied steps follows each tensor's norm: within
-    max(0.5 pp, 25%) of the truth, which lies in the range (it read 7.3% when the light steps kept
-    their sample's zeros; the truth is 37%)."""
+    step 0 only. The run's underflow over its applied steps follows each tensor's norm, and its
+    range holds the truth. nanoGPT: within max(0.5 pp, 25%) of the truth (it read 7.3% when the
+    light steps kept their sample's zeros; the truth is 37%). GPT-2 at loss x 1e-4, 97% lost by
+    the end, whose small values move much faster than its norms: the point is 37% for 60%, the
+    range (DRIFT_RANGE) holds it."""
     torch.set_num_threads(1)
     path = tmp_path / "run.parquet"
-    truth = A.train_recorded("nanogpt", path, 40, init_scale=1.0, loss_factor=1e-4, every=100, outputs=False,
+    truth = A.train_recorded(name, path, 40, init_scale=1.0, loss_factor=1e-4, every=100, outputs=False,
                              every_step_truth=True, loss_factor_at=lambda step: 2.0 ** (-4 * step / 40))
     true, true_max = truth.run_rate()
     current = report_data(path)["recommendation"]["current"]
     low, high = current["underflow_rate_min"], current["underflow_rate_max"]
-    assert true > 0.2 and abs(low - true) <= max(0.005, 0.25 * true), (low, true)
-    assert low <= true <= high, (low, true, high)
+    assert true > 0.2 and low <= true <= high, (low, true, high)
+    if name == "nanogpt":
+        assert abs(low - true) <= max(0.005, 0.25 * true), (low, true)
 
 
 @needs_transformers
@@ -147,7 +215,8 @@ def test_lines_are_structure_only_where_the_measurement_saw_them_so():
     m = Measurements()
     m.add(np.array([21]), np.array([0]), n_zero=np.array([10.0]), n_underflow=np.array([10.0]),
           numel=np.array([100.0]), n_zero_lines=np.array([0.0]))
-    share, scattered, _ = m.nearest(np.array([21]), np.array([50]))
+    found = m.nearest(np.array([21]), np.array([50]))
+    share, scattered = found.share, found.scattered
     assert share.tolist() == [0.0] and np.isnan(scattered).all()
     got = calibrated(np.array([50.0]), np.array([100.0]), share, np.array([0.0]), np.array([50.0]), scattered,
                      n_zero_lines=np.array([40.0]))
@@ -173,3 +242,35 @@ def test_a_light_row_before_its_tensor_s_first_sample_takes_that_sample():
     samples.add_samples(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, bins + 1)), *[empty] * 6)
     step, lost, lost_hi, zeros, undecided = samples.finish()
     assert step.tolist() == [3] and lost.tolist() == [5.0] and zeros.tolist() == [5.0]
+
+
+def test_light_rows_of_a_parameter_never_sampled_are_counted_nowhere_and_said_so(tmp_path):
+    """A parameter that gets gradients only on unsampled steps (an expert routed to on those steps
+    alone) has light rows and no sample to carry them: the report says how many it left out."""
+    import ampdoctor
+    from models import batches, mse
+
+    class Sometimes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk, self.side = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+            self.use_side = False
+
+        def forward(self, x):
+            return self.trunk(x) + (self.side(x) if self.use_side else 0.0)
+
+    torch.manual_seed(0)
+    model = Sometimes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # (a scale that does not overflow: a skipped step would sample the steps after it)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run.parquet", every=10, init_scale=2.0**8)
+    for step, (x, y) in enumerate(batches(6)):
+        model.use_side = step % 2 == 1  # step 0, the sampled one, leaves it out
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    scaler.close()
+    report = report_data(tmp_path / "run.parquet")
+    said = [w for w in report["warnings"] if getattr(w, "code", None) == "light_rows_without_sample"]
+    assert [w.values for w in said] == [{"rows": 6}], report["warnings"]  # 3 steps, weight and bias

@@ -52,6 +52,13 @@ def test_measured_underflow_equals_the_truth(name, scale, factor, tmp_path):
         assert sum(t.lost for t in truth.values()) > 0
     step = frame[frame.kind == "step"].iloc[0]
     assert step.n_underflow == rows.n_underflow.sum()
+    # What underflowed, by magnitude (underflow_hist), parameter and module output gradients alike:
+    # every counted element whose shadow value is finite and nonzero once unscaled.
+    for kind in ("param_grad", "grad_output"):
+        measured_rows = frame[(frame.kind == kind) & frame.n_underflow.notna()]
+        hist_sums = measured_rows.underflow_hist.map(sum)
+        assert len(measured_rows) and (hist_sums <= measured_rows.n_underflow).all()
+        assert hist_sums.sum() >= 0.99 * measured_rows.n_underflow.sum()
     # Module output gradients: the truth per module sums every output of every call.
     out_truth = A.true_output_underflow(arch, 0, scale, factor)
     grads = frame[frame.kind == "grad_output"]

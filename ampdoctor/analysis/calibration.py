@@ -30,7 +30,8 @@ gradients that underflowed upstream loses more than its own histogram shows: the
 
 **Limits.** A tensor whose structure changes between its measurement and a sampled step (a dead
 unit revived, other embedding rows unused by another batch) moves the estimate by the change; the
-upper bound still holds every zero that may have underflowed. Between samples one factor (the
+upper bound still holds every zero that may have underflowed, and the lower end of the range
+(:func:`calibrated_low`) lets the change be structure. Between samples one factor (the
 norm's drift) moves a tensor's whole histogram: a tensor whose small values drift apart from its
 norm is misjudged there. Each figure says how far it is from a measurement (``measure_distance``,
 in steps).
@@ -42,13 +43,15 @@ numpy on arrays of rows; nothing reads the run (the caller streams it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
 from .underflow import UnderflowModel
 
 RANK_BITS = 20  # key = layer id << RANK_BITS | rank
-DRIFT_RANGE = 2.0  # between samples, the small values may drift up to this many times the norm's drift
+DRIFT_RANGE = 3.0  # between samples, the small values may drift up to this many times the norm's drift
 MAX_PENDING_ROWS = 1 << 20  # light rows held until their tensor's first sample (a resumed run's first steps)
 
 
@@ -60,30 +63,50 @@ class Measurements:
     """Every measured step's structural share per key: read in a first, narrow pass over the run
     (:meth:`add` per batch of measured rows), then looked up for each estimated row."""
 
-    def __init__(self) -> None:
+    def __init__(self, bins: int = 0) -> None:
+        self.bins = bins
         self._parts: list[pd.DataFrame] = []
+        self._hists: list[np.ndarray] = []          # per part: its rows' underflow_hist (float32)
         self._points: pd.DataFrame | None = None
+        self._hist: np.ndarray = np.zeros((0, bins), dtype=np.float32)  # per (key, step): summed
 
     def add(self, key: np.ndarray, step: np.ndarray, n_zero: np.ndarray, n_underflow: np.ndarray,
-            numel: np.ndarray, n_zero_lines: np.ndarray | None = None) -> None:
+            numel: np.ndarray, n_zero_lines: np.ndarray | None = None, hist: np.ndarray | None = None,
+            l2: np.ndarray | None = None) -> None:
         """Measured rows: their zeros, their measured underflow, their elements and the zeros in
-        all-zero lines (NaN or None: not recorded)."""
+        all-zero lines (NaN or None: not recorded); their ``underflow_hist`` (a row of NaN, or
+        None: not recorded) and norm."""
         if len(key):
             self._points = None  # (computed anew on the next look-up)
-            lines = np.full(len(key), np.nan) if n_zero_lines is None else np.asarray(n_zero_lines, dtype=np.float64)
+            n = len(key)
+            lines = np.full(n, np.nan) if n_zero_lines is None else np.asarray(n_zero_lines, dtype=np.float64)
+            hist = np.full((n, self.bins), np.nan) if hist is None else np.asarray(hist, dtype=np.float64)
+            l2 = np.full(n, np.nan) if l2 is None else np.asarray(l2, dtype=np.float64)
             self._parts.append(pd.DataFrame({"key": key, "step": np.asarray(step, dtype=np.int64),
                                              "structure": np.maximum(n_zero - n_underflow, 0.0),
+                                             "lost": np.asarray(n_underflow, dtype=np.float64),
                                              # zeros outside lines that did not underflow: negative
                                              # when lines underflowed too (upstream)
                                              "scattered": n_zero - np.nan_to_num(lines, nan=np.inf) - n_underflow,
-                                             "numel": np.asarray(numel, dtype=np.float64)}))
+                                             "numel": np.asarray(numel, dtype=np.float64),
+                                             # rows without a histogram (their group has none) and norms
+                                             "no_hist": np.isnan(hist).any(axis=1).astype(np.float64)
+                                             if hist.shape[1] else np.ones(n),
+                                             "l2sq": np.square(l2)}))
+            self._hists.append(np.nan_to_num(hist).astype(np.float32))
 
     @property
     def points(self) -> pd.DataFrame:
         """Per (key, measured step): the structural share of its elements, sorted by step."""
         if self._points is None:
             if self._parts:
-                frame = pd.concat(self._parts).groupby(["key", "step"], as_index=False).sum()
+                rows = pd.concat(self._parts)
+                grouped = rows.groupby(["key", "step"])
+                frame = grouped.sum().reset_index()
+                hist = np.zeros((len(frame), self.bins), dtype=np.float32)
+                np.add.at(hist, grouped.ngroup().to_numpy(), np.concatenate(self._hists))
+                self._hist = hist
+                frame["_h"] = np.arange(len(frame))
                 frame["share"] = frame["structure"] / frame["numel"].where(frame["numel"] > 0)
                 # Where no line underflowed (the measured underflow fits in the scattered zeros)
                 # and lines hold most of the structure, lines are structure at any step (dead
@@ -95,38 +118,61 @@ class Measurements:
                                     & (lines >= np.maximum(1.0, frame["structure"] / 2)))
                 frame["scattered_share"] = np.where(lines_structural, frame["scattered"], np.nan) / frame["numel"].where(
                     frame["numel"] > 0)
-                self._parts = [frame[["key", "step", "structure", "scattered", "numel"]]]
+                frame["lost_share"] = frame["lost"] / frame["numel"].where(frame["numel"] > 0)
+                self._parts = [frame[["key", "step", "structure", "lost", "scattered", "numel", "no_hist", "l2sq"]]]
+                self._hists = [hist]
                 self._points = frame.dropna(subset=["share"]).sort_values("step", kind="stable")
             else:
                 self._points = pd.DataFrame({"key": pd.Series([], dtype=np.int64),
                                              "step": pd.Series([], dtype=np.int64),
                                              "share": pd.Series([], dtype=np.float64)})
+                self._hist = np.zeros((0, self.bins), dtype=np.float32)
         return self._points
 
     def __bool__(self) -> bool:
         return bool(self._parts) or (self._points is not None and len(self._points) > 0)
 
-    def nearest(self, key: np.ndarray, step: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per row: (the structural share of the nearest measurement of its key at or before its
-        step, or the first after it before any; its scattered structural share, NaN where lines
-        underflowed there; the distance to it in steps). NaN where its key was never measured."""
+    def nearest(self, key: np.ndarray, step: np.ndarray) -> "Nearest":
+        """Per row, the nearest measurement of its key at or before its step, or the first after
+        it before any (NaN where its key was never measured)."""
         n = len(key)
-        share, scattered, distance = (np.full(n, np.nan) for _ in range(3))
+        out = Nearest(*(np.full(n, np.nan) for _ in range(5)), hist=np.zeros((n, self.bins)))
         points = self.points
         if not n or not len(points):
-            return share, scattered, distance
+            return out
         rows = pd.DataFrame({"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
                              "_i": np.arange(n)}).sort_values("step", kind="stable")
-        found = points[["key", "step", "share", "scattered_share"]].rename(columns={"step": "at"})
+        found = points[["key", "step", "share", "scattered_share", "lost_share", "no_hist", "l2sq", "_h"]].rename(
+            columns={"step": "at"})
         found["step"] = found["at"]
         for direction in ("backward", "forward"):
             got = pd.merge_asof(rows, found, on="step", by="key", direction=direction)
             i = got["_i"].to_numpy()
-            fill = np.isnan(share[i]) & got["share"].notna().to_numpy()
-            share[i[fill]] = got["share"].to_numpy()[fill]
-            scattered[i[fill]] = got["scattered_share"].to_numpy(dtype=np.float64)[fill]
-            distance[i[fill]] = np.abs(got["step"].to_numpy() - got["at"].to_numpy())[fill]
-        return share, scattered, distance
+            fill = np.isnan(out.share[i]) & got["share"].notna().to_numpy()
+            i, got = i[fill], got[fill]
+            out.share[i] = got["share"].to_numpy()
+            out.scattered[i] = got["scattered_share"].to_numpy(dtype=np.float64)
+            out.lost[i] = got["lost_share"].to_numpy(dtype=np.float64)
+            out.distance[i] = np.abs(got["step"].to_numpy() - got["at"].to_numpy())
+            with_hist = got["no_hist"].to_numpy() == 0
+            out.l2[i] = np.where(with_hist, np.sqrt(got["l2sq"].to_numpy(dtype=np.float64)), np.nan)
+            out.hist[i] = self._hist[got["_h"].to_numpy(dtype=np.int64)]
+        return out
+
+
+@dataclass
+class Nearest:
+    """What :meth:`Measurements.nearest` finds per row: the measurement's structural share of the
+    elements; its scattered structural share (NaN where lines underflowed there); the share that
+    underflowed; the distance in steps; the gradient's norm then (NaN where its ``underflow_hist``
+    was not recorded) and that ``underflow_hist``."""
+
+    share: np.ndarray
+    scattered: np.ndarray
+    lost: np.ndarray
+    distance: np.ndarray
+    l2: np.ndarray
+    hist: np.ndarray
 
 
 def calibrated(n_zero: np.ndarray, numel: np.ndarray, share: np.ndarray, estimate: np.ndarray,
@@ -146,7 +192,47 @@ def calibrated(n_zero: np.ndarray, numel: np.ndarray, share: np.ndarray, estimat
     return np.where(np.isnan(share), estimate, cal)
 
 
+def still_lost(hist: np.ndarray, min_exp: int, cut_log2: np.ndarray, drift_log2: np.ndarray) -> np.ndarray:
+    """Per row: the elements its measurement lost (``hist``: that ``underflow_hist``) that a
+    cut-off of 2^``cut_log2`` loses still after the gradient's norm moved by ``drift_log2``
+    binades, at the least: a growing gradient's small values taken to grow :data:`DRIFT_RANGE`
+    times as fast, a shrinking one's not to shrink; only the binades wholly below count. NaN where
+    the drift is unknown."""
+    shift = np.maximum(0.0, DRIFT_RANGE * np.asarray(drift_log2, dtype=np.float64))
+    edge = min_exp + np.arange(1, hist.shape[1] + 1)  # each bin's upper edge (log2)
+    count = np.where(edge[None, :] <= (np.asarray(cut_log2, dtype=np.float64) - shift)[:, None], hist, 0.0).sum(axis=1)
+    return np.where(np.isnan(shift), np.nan, count)
+
+
+def calibrated_low(numel: np.ndarray, cal: np.ndarray, heuristic: np.ndarray, lost: np.ndarray,
+                   still: np.ndarray | None = None) -> np.ndarray:
+    """The lower end of a calibrated row's range. Its point (``cal``) counts every zero its tensor
+    gained since the measurement as underflow, but structure changes too (other positions ignored
+    in this batch, a unit that died): the lower end is the lesser of that point and what the
+    measurement lost that is lost still (``still``: :func:`still_lost`). Without the
+    measurement's ``underflow_hist`` (``still`` NaN or None), the least of the point, the
+    heuristic's estimate from the row's own magnitudes (``heuristic``, NaN: unknown) and the
+    measurement's underflowed share ``lost`` of the row's elements."""
+    without = np.fmin(np.fmin(cal, heuristic), lost * numel)
+    if still is None:
+        return without
+    return np.where(np.isnan(still), without, np.fmin(cal, np.nan_to_num(still)))
+
+
 NOISE_LOG2 = -24  # a lost element below its gradient's peak times 2^-24 is float32 rounding noise
+
+
+def lost_below(hist: np.ndarray, peak: np.ndarray, min_exp: int) -> np.ndarray:
+    """Per row of ``underflow_hist``: the lost elements in the binades wholly below ``peak`` times
+    2^:data:`NOISE_LOG2` (rounding noise of sums of terms that size; none where ``peak`` is 0 or
+    NaN). A measured module output gradient, whose terms are of its own size, leaves out those
+    below its own peak (the first query position's gradient in causal attention is exactly 0 in
+    float32 from float32 activations, and ~2^-30 of its peak in the shadow of half-precision ones)."""
+    peak = np.nan_to_num(np.asarray(peak, dtype=np.float64), nan=0.0)
+    with np.errstate(divide="ignore"):
+        floor = np.where(peak > 0, np.floor(np.log2(np.where(peak > 0, peak, 1.0))) + NOISE_LOG2, -np.inf)
+    edge = min_exp + np.arange(1, hist.shape[1] + 1)  # each bin's upper edge (log2)
+    return np.where(edge[None, :] <= floor[:, None], hist, 0.0).sum(axis=1)
 
 
 class Tails:
@@ -179,6 +265,14 @@ class Tails:
             self._top[int(t)] = max(self._top.get(int(t), 0.0), float(a))
         for t, c in pd.Series(cut_log2).groupby(frame["step"]).first().items():
             self._cut.setdefault(int(t), float(c))
+
+    def maybe_noise(self, step: np.ndarray, hist: np.ndarray) -> np.ndarray:
+        """Per measured parameter-gradient row (its step, its ``underflow_hist``): the lost
+        elements that may be rounding noise, below its step's largest peak times
+        2^:data:`NOISE_LOG2` (what the lower tail counts as noise). A measured figure's range
+        leaves them out at its lower end."""
+        top = np.array([self._top.get(int(t), 0.0) for t in step], dtype=np.float64)
+        return lost_below(hist, top, self.min_exp)
 
     def frame(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(the measured steps, by step; their ``tail`` and ``noise`` as the lower figures read
@@ -301,7 +395,7 @@ class Samples:
         at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
         # The small values may move faster than the norm, either way: a gradient computed from
         # output gradients that underflowed upstream loses (or, growing, regains) elements its own
-        # histogram does not show. The loss at twice the drift is the range's other end.
+        # histogram does not show. The loss at DRIFT_RANGE times the drift is the range's other end.
         one, two = at(drift), at(DRIFT_RANGE * drift)
         lost, lost_hi = np.minimum(one, two), np.maximum(one, two)
         undecided = got["undecided"].to_numpy(float)
@@ -319,6 +413,12 @@ class Samples:
     def finish(self) -> tuple[np.ndarray, ...]:
         """The held light rows, answered by whatever samples were read (after the last batch)."""
         return self.carry(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
+
+    @property
+    def unanswered(self) -> int:
+        """Light rows that count nothing: beyond :data:`MAX_PENDING_ROWS`, or (after :meth:`finish`)
+        of a tensor never sampled (a parameter that got gradients on light steps only)."""
+        return self.dropped + self._pending_rows
 
 
 def _as_of(samples: pd.DataFrame) -> pd.DataFrame:

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from ..formats import FloatFormat, float_format
 from ..hist_column import hist_matrix
 from ..run import Run, empty_table, kind_mask
-from .calibration import Measurements, Samples, Tails, calibrated, keys
+from .calibration import Measurements, Samples, Tails, calibrated, calibrated_low, keys, lost_below, still_lost
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
@@ -46,14 +46,15 @@ _ALL_ZERO = -1e300
 
 STEP_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "numel", "n_zero", "n_subnormal",
                 "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow", "underflow_hist"]
-_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "l2", "n_zero",
-            "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
+# What the main pass reads of the layer rows (and scan_step_rows needs).
+LAYER_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "l2", "n_zero",
+                 "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow", "underflow_hist"]
 # What the first pass reads: the measured rows' counts (calibration.Measurements).
-_MEASURED_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "n_zero", "n_nan", "n_inf",
-                     "n_zero_lines", "n_underflow", "underflow_hist"]
+_MEASURED_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "l2", "n_zero", "n_nan",
+                     "n_inf", "n_zero_lines", "n_underflow", "underflow_hist"]
 _GRADIENT_KINDS = ["param_grad", "grad_output"]
 # Rows of _Accumulator.sums.
-_NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED, _MEASURED = range(9)
+_NUMEL, _ZERO, _SUBNORMAL, _LOST, _OBSERVED, _NONFINITE, _UPPER, _JUDGED, _MEASURED, _LOW = range(10)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class LayerScan:
     tails: Tails | None = None                 # what underflowed on measured steps, by magnitude (calibration.Tails)
     measurements: Measurements | None = None   # the measured steps' structure (calibration.Measurements) ...
     measure_ids: dict | None = None            # ... keyed by these ids of (name, kind) and the rank
+    unanswered_light_rows: int = 0             # light parameter rows counted nowhere (calibration.Samples.unanswered)
 
     def calibrate(self, names, kind: str, rank: np.ndarray, step: np.ndarray, n_zero: np.ndarray,
                   numel: np.ndarray, estimate: np.ndarray, upper: np.ndarray, n_zero_lines: np.ndarray) -> np.ndarray:
@@ -80,8 +82,8 @@ class LayerScan:
         if not self.measurements:
             return estimate
         ids = np.array([self.measure_ids.get((str(n), kind), -1) for n in names], dtype=np.int64)
-        share, scattered, _ = self.measurements.nearest(keys(ids, rank), step)
-        return calibrated(n_zero, numel, share, estimate, upper, scattered, n_zero_lines)
+        found = self.measurements.nearest(keys(ids, rank), step)
+        return calibrated(n_zero, numel, found.share, estimate, upper, found.scattered, n_zero_lines)
 
     @property
     def empty(self) -> bool:
@@ -103,16 +105,18 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     for batch in run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows):
         acc.add_measured(batch, amp)
     step_rows = []
-    for batch in run.batches(_COLUMNS + [c for c in STEP_COLUMNS if c not in _COLUMNS], batch_rows=batch_rows):
+    read = LAYER_COLUMNS + [c for c in STEP_COLUMNS if c not in LAYER_COLUMNS]
+    for batch in run.batches(read, batch_rows=batch_rows):
         is_step = kind_mask(batch.column("kind"), ["step"])
         steps = batch.filter(is_step)
         if steps.num_rows:
             step_rows.append(steps.select(STEP_COLUMNS))
         rows = batch.filter(kind_mask(batch.column("kind"), list(LAYER_KINDS)))
         if rows.num_rows:
-            acc.add(rows.select(_COLUMNS), amp, min_exp, bins, first_step, width)
+            acc.add(rows.select(LAYER_COLUMNS), amp, min_exp, bins, first_step, width)
     scan = acc.result(first_step, width)
     scan.tails, scan.measurements, scan.measure_ids = acc.tails, acc.measurements, acc.measure_ids
+    scan.unanswered_light_rows = acc.samples.unanswered
     scan.step_rows = pa.Table.from_batches(step_rows) if step_rows else empty_table(STEP_COLUMNS)
     return scan
 
@@ -153,14 +157,14 @@ class _Accumulator:
     """Running per-layer sums, minima and maxima; layers get ids as they are first seen."""
 
     def __init__(self, span: int, columns: int, *, bins: int, min_exp: int) -> None:
-        self.measurements = Measurements()
+        self.measurements = Measurements(bins)
         self.measure_ids: dict[tuple[str, str], int] = {}  # (name, kind) -> key of its measurements
         self.tails = Tails(bins, min_exp)
         self.samples = Samples(bins, min_exp)
         self.ids: dict[tuple[str, str], int] = {}
         self.dtypes: list[str] = []
         self.columns = columns
-        self.sums = np.zeros((9, 16))          # indexed by _NUMEL .. _MEASURED
+        self.sums = np.zeros((10, 16))         # indexed by _NUMEL .. _LOW
         self.amax = np.full(16, -np.inf)
         self.amin = np.full(16, np.inf)
         self.headroom = np.full(16, np.inf)
@@ -207,7 +211,7 @@ class _Accumulator:
         """The first pass: the measured gradient rows' zeros and underflow (their structure), and
         what underflowed in the parameter gradients by magnitude (calibration.Tails)."""
         col = {c: batch.column(c).to_numpy(zero_copy_only=False).astype(np.float64) for c in
-               ("n_zero", "n_underflow", "n_nan", "n_inf", "numel", "n_zero_lines", "amax", "scale")}
+               ("n_zero", "n_underflow", "n_nan", "n_inf", "numel", "n_zero_lines", "amax", "scale", "l2")}
         keep = ~np.isnan(col["n_zero"]) & ~np.isnan(col["n_underflow"]) & (np.nan_to_num(col["n_nan"] + col["n_inf"]) == 0)
         if not keep.any():
             return
@@ -215,11 +219,12 @@ class _Accumulator:
         col = {c: v[keep] for c, v in col.items()}
         key = keys(self._measure_ids(rows, register=True), rows.column("rank").to_numpy(zero_copy_only=False))
         step = rows.column("step").to_numpy(zero_copy_only=False)
-        self.measurements.add(key, step, col["n_zero"], col["n_underflow"], col["numel"], col["n_zero_lines"])
-        param = (rows.column("kind").to_numpy(zero_copy_only=False) == "param_grad") & rows.column(
-            "underflow_hist").is_valid().to_numpy(zero_copy_only=False)
+        has_hist = rows.column("underflow_hist").is_valid().to_numpy(zero_copy_only=False)
+        hist = hist_matrix(rows.column("underflow_hist"), self.tails.bins, np.float64)
+        self.measurements.add(key, step, col["n_zero"], col["n_underflow"], col["numel"], col["n_zero_lines"],
+                              np.where(has_hist[:, None], hist, np.nan), col["l2"])
+        param = (rows.column("kind").to_numpy(zero_copy_only=False) == "param_grad") & has_hist
         if param.any():
-            hist = hist_matrix(rows.column("underflow_hist"), self.tails.bins, np.float64)
             cut = np.log2(amp.underflow_below / np.maximum(np.nan_to_num(col["scale"], nan=1.0), 2.0**-149))
             self.tails.add(step[param], hist[param], col["amax"][param], cut[param])
 
@@ -281,15 +286,35 @@ class _Accumulator:
             # Estimated rows of a measured tensor: its structure, measured, calibrates them.
             key = keys(layer, col["rank"])
             distance = np.where(measured, 0.0, np.nan)
+            low_est = np.array(estimate, dtype=np.float64)
+            # A measured count's lower end leaves out what may be rounding noise: below the step's
+            # largest peak x 2^-24 for a parameter gradient (calibration.Tails), below its own for
+            # a module output gradient (calibration.lost_below).
+            noisy = measured & np.asarray(batch.column("underflow_hist").is_valid(), dtype=bool)
+            if noisy.any():
+                at = np.nonzero(noisy)[0]  # (only these rows' histograms: batches are mostly other rows)
+                lost_hist = hist_matrix(batch.column("underflow_hist").take(pa.array(at)), bins, np.float64)
+                of_param = param[at]
+                noise = np.where(of_param, 0.0, lost_below(lost_hist, amax[at], min_exp))
+                noise[of_param] = self.tails.maybe_noise(col["step"][at][of_param], lost_hist[of_param])
+                low_est[at] = np.maximum(low_est[at] - noise, 0.0)
             rows = np.nonzero(full & ~output & ~nonfinite & ~measured)[0]
             if len(rows) and self.measurements:
                 measured_key = keys(self._measure_ids(batch), col["rank"])
-                share, scattered, distance[rows] = self.measurements.nearest(measured_key[rows], col["step"][rows])
-                estimate[rows] = calibrated(zeros[rows], col["numel"][rows].astype(np.float64), share,
-                                            estimate[rows], upper[rows], scattered,
-                                            col["n_zero_lines"][rows].astype(np.float64))
+                found = self.measurements.nearest(measured_key[rows], col["step"][rows])
+                distance[rows] = found.distance
+                heuristic, numel = estimate[rows], col["numel"][rows].astype(np.float64)
+                estimate[rows] = calibrated(zeros[rows], numel, found.share, heuristic, upper[rows],
+                                            found.scattered, col["n_zero_lines"][rows].astype(np.float64))
+                # (the drift of the norm since the measurement: NaN where either norm is unknown)
+                l2 = col["l2"][rows].astype(np.float64)
+                drift = np.log2(np.where((l2 > 0) & (found.l2 > 0), l2, np.nan) / found.l2)
+                still = still_lost(found.hist, min_exp, cut[rows], drift)
+                low_est[rows] = np.where(np.isnan(found.share), heuristic,
+                                         calibrated_low(numel, estimate[rows], heuristic, found.lost, still))
             judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
             lost = np.where(judged, estimate, 0.0)
+            lost_low = np.where(judged, np.fmin(low_est, estimate), 0.0)
             upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
             headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
             high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
@@ -302,7 +327,7 @@ class _Accumulator:
         n = len(self.ids)
         for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
                                     full, nonfinite, upper, np.where(judged, col["numel"], 0),
-                                    np.where(measured, col["numel"], 0))):
+                                    np.where(measured, col["numel"], 0), lost_low)):
             values = np.nan_to_num(np.asarray(values, dtype=np.float64))
             self.sums[i, :n] += np.bincount(layer, weights=values, minlength=n)
         np.maximum.at(self.amax, layer, finite_amax)
@@ -369,6 +394,7 @@ class _Accumulator:
             "name": pd.Series([k[0] for k in keys], dtype=object),
             "kind": pd.Series([k[1] for k in keys], dtype=object),
             "underflow_rate": sums[_LOST] / judged,
+            "underflow_rate_min": sums[_LOW] / judged,
             "underflow_rate_max": np.where(is_output, np.nan, sums[_UPPER] / numel),
             # The share of the judged elements whose underflow was measured, not estimated.
             "underflow_measured": sums[_MEASURED] / judged,

@@ -68,6 +68,7 @@ def layer_records(layers: pd.DataFrame, types: dict[str, str] | None = None) -> 
     for r in layers.itertuples(index=False):
         out.append({"name": r.name, "kind": r.kind, "module_type": module_type(r.name, r.kind, types),
                     "underflow_rate": finite_or_none(r.underflow_rate),
+                    "underflow_rate_min": finite_or_none(r.underflow_rate_min),
                     "underflow_rate_max": finite_or_none(r.underflow_rate_max),
                     "underflow_measured": finite_or_none(r.underflow_measured),
                     "measure_distance": _steps_or_none(r.measure_distance),

@@ -66,6 +66,8 @@ def analyse(run: Run | str | os.PathLike) -> Analysis:
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)
     own_warnings: list[Finding] = []
     scan.step_rows = _with_valid_scale(scan.step_rows, own_warnings)
+    if scan.unanswered_light_rows:
+        own_warnings.append(Finding("light_rows_without_sample", {"rows": scan.unanswered_light_rows}))
     series = load_steps(scan.step_rows, amp, min_exp, bins)
     attach_tails(series, scan.tails)
     attach_param_lost(series, scan.param_lost)

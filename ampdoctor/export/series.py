@@ -31,7 +31,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.layer_scan import LAYER_KINDS, scan_step_rows
+from ..analysis.layer_scan import LAYER_COLUMNS, LAYER_KINDS, scan_step_rows
 from ..analysis.run_analysis import recorded_binning
 from ..formats import FloatFormat
 from ..hist_column import hist_matrix
@@ -39,8 +39,6 @@ from ..run import Run
 
 STEP_TAGS = ("steps/scale", "steps/skipped", "steps/skipped_total", "steps/loss", "steps/grad_norm")
 UNDERFLOW_MIN, UNDERFLOW_MAX = "underflow_min", "underflow_max"
-_LAYER_COLUMNS = ["step", "rank", "kind", "name", "dtype", "scale", "numel", "amax", "amin", "l2", "n_zero",
-                  "n_subnormal", "n_nan", "n_inf", "hist", "n_zero_lines", "n_underflow"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ def layer_points(run: Run, hist_layout: HistogramLayout | None = None) -> Iterat
     whole steps of one rank), so memory is bounded by a segment."""
     hist_layout = hist_layout or layout(run)
     for segment in run.segments:
-        table = Run(run.path, [segment]).table(_LAYER_COLUMNS, kinds=list(LAYER_KINDS))
+        table = Run(run.path, [segment]).table(LAYER_COLUMNS, kinds=list(LAYER_KINDS))
         if not table.num_rows:
             continue
         full = table.column("n_zero").is_valid()
@@ -115,8 +113,8 @@ def layer_points(run: Run, hist_layout: HistogramLayout | None = None) -> Iterat
         if not table.num_rows:
             continue
         table = table.sort_by([("rank", "ascending"), ("step", "ascending")])
-        batch = pa.RecordBatch.from_arrays([table.column(c).combine_chunks() for c in _LAYER_COLUMNS],
-                                           names=_LAYER_COLUMNS)
+        batch = pa.RecordBatch.from_arrays([table.column(c).combine_chunks() for c in LAYER_COLUMNS],
+                                           names=LAYER_COLUMNS)
         keys = batch.column("rank").to_numpy().astype(np.int64) * (1 << 40) + batch.column("step").to_numpy()
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
         for start, end in zip(starts, np.r_[starts[1:], len(keys)]):

@@ -39,6 +39,17 @@ def underflow(fields: dict) -> str:
     return f"{percent(fields.get('underflow_rate_min'))}..{percent(fields['underflow_rate_max'])}"
 
 
+def underflow_range(fields: dict) -> str:
+    """A layer's underflow range, ``underflow_rate_min``..``underflow_rate_max`` with one percent
+    sign (``0.52..64.1%``); one number where the two agree to 1e-4; "—" where neither is known."""
+    low, high = fields.get("underflow_rate_min"), fields.get("underflow_rate_max")
+    if _missing(high):
+        return MISSING
+    if not _missing(low) and abs(high - low) < 1e-4:
+        return percent(high)
+    return f"{percent(low or 0.0).rstrip('%')}..{percent(high)}"
+
+
 def code_spans(text: str) -> list[tuple[str, bool]]:
     """Prose from the analyses split into ``(piece, is_code)``: the analyses mark code (a setting,
     a call to paste) with single backticks, which each renderer shows its own way. An unpaired

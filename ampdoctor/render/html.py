@@ -12,7 +12,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from . import charts, sections
-from .formatting import VERDICTS, binades, code_spans, number, origin_name, origin_steps, percent, scale_str
+from .formatting import (VERDICTS, binades, code_spans, number, origin_name, origin_steps, percent, scale_str,
+                         underflow_range)
 from .sections import Section
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ def _scale_section(scale: dict | None, missing: dict, chart: str) -> str:
 def _layer_rows(layers: Sequence[dict]) -> list[list[str]]:
     return [[str(i), _layer_name(layer), escaped(layer.get("kind", "")),
              escaped(percent(layer.get("underflow_rate")) + sections.measured_mark(layer.get("underflow_measured"))),
-             escaped(percent(layer.get("zero_rate"))),
+             escaped(underflow_range(layer)), escaped(percent(layer.get("zero_rate"))),
              escaped(percent(layer.get("subnormal_rate"))), escaped(binades(layer.get("headroom_log2"))),
              escaped(number(layer.get("amax"))), escaped(number(layer.get("amin"))),
              escaped(layer.get("observations", "—"))]
@@ -204,12 +205,12 @@ def _layers_section(layers: Sequence[dict], missing: dict, chart_html: dict[str,
         shown, note = sections.layers_shown(layers)
         if note:
             parts.append(f"<p>{note}</p>")
-        parts.append(_table(["#", "layer", "kind", "underflow", "zeros", "subnormal", "headroom (binades)",
+        parts.append(_table(["#", "layer", "kind", "underflow", "range", "zeros", "subnormal", "headroom (binades)",
                              "amax", "amin", "observations"], _layer_rows(shown),
-                            num=(0, 3, 4, 5, 6, 7, 8, 9), name=(1,)))
-        legend = sections.measured_legend(shown)
-        if legend:
-            parts.append(f"<p>{escaped(legend)}</p>")
+                            num=(0, 3, 4, 5, 6, 7, 8, 9, 10), name=(1,)))
+        for legend in (sections.measured_legend(shown), sections.range_legend(shown)):
+            if legend:
+                parts.append(f"<p>{escaped(legend)}</p>")
     parts.append(_placeholder(sections.LAYERS, bool(layers), missing))
     return "\n".join(p for p in parts if p)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from . import sections
 from .formatting import (VERDICTS, binades, code_spans, number, origin_name, origin_steps, percent, scale_str,
-                         setting, underflow)
+                         setting, underflow, underflow_range)
 from .sections import REPLAY_KEYS, SCALER_KEYS, Section
 
 # CommonMark lets a backslash escape any ASCII punctuation; these are the ones that can start
@@ -105,17 +105,17 @@ def _unless_data(section: Section, has_data: bool, missing: dict) -> list[str]:
 
 
 def _layer_table(layers: Sequence[dict]) -> list[str]:
-    headers = ["#", "layer", "kind", "underflow", "at most", "zeros", "subnormal", "headroom (binades)",
+    headers = ["#", "layer", "kind", "underflow", "range", "zeros", "subnormal", "headroom (binades)",
                "amax", "amin", "observations"]
     rows = [[i, sections.layer_label(layer), layer.get("kind", ""),
              percent(layer.get("underflow_rate")) + sections.measured_mark(layer.get("underflow_measured")),
-             percent(layer.get("underflow_rate_max")),
+             underflow_range(layer),
              percent(layer.get("zero_rate")), percent(layer.get("subnormal_rate")),
              binades(layer.get("headroom_log2")),
              number(layer.get("amax")), number(layer.get("amin")), layer.get("observations", "—")]
             for i, layer in enumerate(layers, 1)]
-    note = sections.measured_legend(layers)
-    legend = ["\n" + note.replace("*", "\\*")] if note else []
+    notes = [n for n in (sections.measured_legend(layers), sections.range_legend(layers)) if n]
+    legend = ["\n" + "; ".join(notes).replace("*", "\\*")] if notes else []
     return table_lines(headers, rows, right=(0, 3, 4, 5, 6, 7, 8, 9, 10), code=(1, 2)) + legend
 
 

@@ -142,6 +142,17 @@ def measured_legend(layers: Sequence[dict]) -> str | None:
             f"measurement{distance}, else estimated")
 
 
+def range_legend(layers: Sequence[dict]) -> str | None:
+    """The legend of the layer tables' range column, when a shown layer's range is wider than a
+    point."""
+    wide = [layer for layer in layers if layer.get("underflow_rate_max") is not None
+            and abs(layer["underflow_rate_max"] - (layer.get("underflow_rate_min") or 0.0)) >= 1e-4]
+    if not wide:
+        return None
+    return ("range: what the record allows, from zeros that may be structure or rounding noise (and, between "
+            "measurements, structure that changed) to every zero that may have underflowed")
+
+
 def measured_mark(share: float | None) -> str:
     """The mark after a layer's underflow rate: ``*`` all of it measured, ``~`` part of it, else
     none (estimated, or no rate)."""

@@ -7,7 +7,7 @@ import textwrap
 
 from . import sections
 from .formatting import (VERDICTS, binades, number, origin_name, origin_steps, percent, scale_str, setting, shorten,
-                         underflow)
+                         underflow, underflow_range)
 
 
 def _ended(info: dict) -> str:
@@ -73,22 +73,21 @@ def _wrap(text: str, indent: str = "  - ", width: int = WIDTH) -> list[str]:
 
 
 def layers_table(layers: list[dict], top: int | None = None, path: str | None = None) -> list[str]:
-    """The per-layer table (fits 100 columns; long names are clipped from the left). Cut to ``top``
-    rows, it ends with the command that lists them all for the run at ``path``."""
+    """The per-layer table (fits 100 columns; long names are clipped from the left; the peak
+    magnitude, ``amax``, is in the other formats: headroom says what it means here). Cut to
+    ``top`` rows, it ends with the command that lists them all for the run at ``path``."""
     rows = layers if top is None else layers[:top]
-    head = (f"{'layer':<31} {'kind':<11} {'underflow':>9} {'at most':>8} {'zero':>8} {'subnorm':>8} {'headroom':>8} "
-            f"{'amax':>8}")
+    head = f"{'layer':<31} {'kind':<11} {'underflow':>9} {'range':>14} {'zero':>7} {'subnorm':>7} {'headroom':>8}"
     lines = [head]
     marks = [sections.measured_mark(r.get("underflow_measured")) for r in rows]
     for r, mark in zip(rows, marks):
         lines.append(f"{shorten(sections.layer_label(r), 31, keep_head=False):<31} {r['kind']:<11} "
-                     f"{percent(r['underflow_rate']) + mark:>9} "
-                     f"{percent(r.get('underflow_rate_max')):>8} "
-                     f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
-                     f"{binades(r['headroom_log2']):>8} {number(r['amax']):>8}")
-    legend = sections.measured_legend(rows)
-    if legend:
-        lines.extend(textwrap.wrap(legend, 100, initial_indent="  ", subsequent_indent="    "))
+                     f"{percent(r['underflow_rate']) + mark:>9} {underflow_range(r):>14} "
+                     f"{percent(r['zero_rate']):>7} {percent(r['subnormal_rate']):>7} "
+                     f"{binades(r['headroom_log2']):>8}")
+    for legend in (sections.measured_legend(rows), sections.range_legend(rows)):
+        if legend:
+            lines.extend(textwrap.wrap(legend, 100, initial_indent="  ", subsequent_indent="    "))
     if top is not None and len(layers) > top:
         run = shlex.quote(str(path)) if path is not None else "RUN"
         lines.append(f"… {len(layers) - top} more (ampdoctor layers {run} --top N)")

@@ -13,6 +13,14 @@ def step_rows_without_scale(rows):
     return f"left out {rows} step row(s) whose scale is not a number"
 
 
+@register
+def light_rows_without_sample(rows):
+    return (f"{rows} light parameter row(s) (peak and norm only) have no sampled step of their parameter to "
+            f"read underflow from (a parameter that got gradients on unsampled steps only, or more than 2**20 "
+            f"such rows before its first sample): the steps' underflow leaves them out; a smaller every= samples "
+            f"them")
+
+
 register_fixed("report_of_unclosed_run",
        "the run did not end with close() (killed, crashed or still running): this report covers the steps "
        "on disk")
@@ -183,7 +191,7 @@ def undecided_zeros(median_scale, settings_changed):
     again = ("record again with the settings above" if settings_changed else
              "record again at a higher scale or with the loss scaled up")
     return (f"at scale {scale_str(median_scale)} some zeros cannot be called underflow or structure (the layers "
-            f"whose 'at most' exceeds their underflow: gradients 0 everywhere, or zeros of gradients that reach "
+            f"whose range reaches above their underflow: gradients 0 everywhere, or zeros of gradients that reach "
             f"the cut-off in numbers). If those parameters should learn, {again} and compare: a gradient that "
             f"reappears at a higher scale had underflowed")
 
