@@ -352,7 +352,8 @@ class Recorder:
         lost = None
         if measured is not None:
             # The magnitudes of what underflowed (underflow_hist): how much of the count may be
-            # rounding noise (analysis/calibration.py). A copy: the backward still reads the shadow.
+            # rounding noise (analysis/calibration.py). A copy, freed here: the backward still
+            # reads the shadow.
             values = self._probe.lost_copy(tensor)
             if values is not None:
                 lost = full_stats([values], inv_scale=inv, subnormal_below=float_format(tensor.dtype).smallest_normal,

@@ -153,14 +153,13 @@ class ShadowBackward(TorchDispatchMode):
 
     def lost_copy(self, real: torch.Tensor) -> torch.Tensor | None:
         """``real``'s shadow's values where ``real`` is 0 (what underflowed), 0 elsewhere, flat,
-        as a new bfloat16 tensor (the shadow stays: the backward still reads it; bfloat16 keeps
-        float32's binades at half its memory, and a binade histogram is what is wanted); None
-        when ``real`` has no usable shadow. Runs paused. No sync."""
+        in a new tensor (the shadow stays as it is: the backward still reads it); None when
+        ``real`` has no usable shadow. Runs paused. No sync."""
         shadow = self.shadow(real)
         if shadow is None:
             return None
         with self.paused(), torch.no_grad():
-            return shadow.to(torch.bfloat16).masked_fill_(real != 0, 0).reshape(-1)
+            return torch.where(real == 0, shadow, 0).reshape(-1)
 
     def counts(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """int64 ``[len(tensors)]`` of :meth:`count` on one device, -1 where a tensor is not

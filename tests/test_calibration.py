@@ -59,12 +59,19 @@ def test_the_range_of_a_calibrated_row_reaches_down_to_what_may_be_structure():
     m.add(np.array([3]), np.array([0]), n_zero=np.array([30.0]), n_underflow=np.array([4.0]), numel=np.array([100.0]),
           hist=hist, l2=np.array([2.0]))
     found = m.nearest(np.array([3, 3]), np.array([10, 20]))
-    assert found.lost.tolist() == [0.04, 0.04] and found.l2.tolist() == [2.0, 2.0]
+    assert found.lost.tolist() == [0.04, 0.04] and found.rms.tolist() == [0.2, 0.2]  # (l2 2 over 100 elements)
     # What the measurement lost is lost still where the gradient did not grow; one that grew by a
     # binade may have grown 3 (DRIFT_RANGE): only what lay 3 binades below the cut-off stays lost.
-    drift = np.log2(np.array([1.0, 4.0]) / found.l2)
-    assert still_lost(found.hist, -10, np.array([-3.0, -3.0]), drift).tolist() == [4.0, 1.0]
-    assert np.isnan(still_lost(found.hist, -10, np.array([-3.0]), np.array([np.nan]))).all()
+    drift = np.log2(np.array([0.1, 0.4]) / found.rms)
+    assert still_lost(found.hist * 100, -10, np.array([-3.0, -3.0]), drift).tolist() == [4.0, 1.0]
+    assert np.isnan(still_lost(found.hist[:1] * 100, -10, np.array([-3.0]), np.array([np.nan]))).all()
+    # A module called twice in the step (two rows of one key): compared per element, each call's
+    # row with the pair's figures, not with their sum.
+    twice = Measurements(bins=8)
+    twice.add(np.array([5, 5]), np.array([0, 0]), n_zero=np.array([4.0, 4.0]), n_underflow=np.array([4.0, 4.0]),
+              numel=np.array([100.0, 100.0]), hist=np.vstack([hist, hist]), l2=np.array([2.0, 2.0]))
+    pair = twice.nearest(np.array([5]), np.array([1]))
+    assert pair.rms.tolist() == pytest.approx([0.2]) and pair.hist[0].sum() * 100 == pytest.approx(4.0)
     got = calibrated_low(np.full(2, 100.0), cal=np.full(2, 20.0), heuristic=np.full(2, 30.0),
                          lost=found.lost, still=np.array([1.0, np.nan]))
     assert got.tolist() == [1.0, 4.0]  # (no histogram: the measured share of the elements)

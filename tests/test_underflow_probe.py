@@ -450,3 +450,17 @@ def test_a_compiled_region_in_the_backward_is_not_measured(tmp_path):
             _train(m, scaler, batches(2, batch=4))
     rows = ampdoctor.load(tmp_path / "run")
     assert rows[rows.kind == "param_grad"].n_underflow.isna().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lost_values_are_a_copy_that_leaves_the_shadow_as_it_is(dtype):
+    """A module output gradient's lost values (its underflow_hist) are taken while the backward
+    still reads its shadow: a float32 shadow, or a bfloat16 one (an op that refuses float32)."""
+    probe = ShadowBackward()
+    real = torch.tensor([0.0, 1.0, 0.0, 2.0], dtype=torch.float16)
+    shadow = torch.tensor([1e-9, 1.0, 0.0, 2.0], dtype=dtype)
+    probe._shadows[real] = shadow
+    kept = shadow.clone()
+    lost = probe.lost_copy(real)
+    assert torch.equal(shadow, kept) and lost.data_ptr() != shadow.data_ptr()
+    assert lost.tolist() == pytest.approx([1e-9, 0.0, 0.0, 0.0], rel=1e-2)

@@ -66,9 +66,12 @@ class Measurements:
     def __init__(self, bins: int = 0) -> None:
         self.bins = bins
         self._parts: list[pd.DataFrame] = []
-        self._hists: list[np.ndarray] = []          # per part: its rows' underflow_hist (float32)
+        # The rows' underflow_hist, kept only where something underflowed (most tensors lose nothing
+        # at a sane scale): (the rows' positions among all rows added, their histograms).
+        self._hists: list[tuple[np.ndarray, np.ndarray]] = []
+        self._rows = 0
         self._points: pd.DataFrame | None = None
-        self._hist: np.ndarray = np.zeros((0, bins), dtype=np.float32)  # per (key, step): summed
+        self._hist: np.ndarray = np.zeros((1, bins), dtype=np.float32)  # per (key, step) that lost: summed; row 0 zeros
 
     def add(self, key: np.ndarray, step: np.ndarray, n_zero: np.ndarray, n_underflow: np.ndarray,
             numel: np.ndarray, n_zero_lines: np.ndarray | None = None, hist: np.ndarray | None = None,
@@ -93,7 +96,10 @@ class Measurements:
                                              "no_hist": np.isnan(hist).any(axis=1).astype(np.float64)
                                              if hist.shape[1] else np.ones(n),
                                              "l2sq": np.square(l2)}))
-            self._hists.append(np.nan_to_num(hist).astype(np.float32))
+            hist = np.nan_to_num(hist)
+            lost = np.nonzero(hist.any(axis=1))[0] if hist.shape[1] else np.zeros(0, dtype=np.int64)
+            self._hists.append((self._rows + lost, hist[lost].astype(np.float32)))
+            self._rows += n
 
     @property
     def points(self) -> pd.DataFrame:
@@ -103,10 +109,15 @@ class Measurements:
                 rows = pd.concat(self._parts)
                 grouped = rows.groupby(["key", "step"])
                 frame = grouped.sum().reset_index()
-                hist = np.zeros((len(frame), self.bins), dtype=np.float32)
-                np.add.at(hist, grouped.ngroup().to_numpy(), np.concatenate(self._hists))
+                group = grouped.ngroup().to_numpy()
+                at = np.concatenate([p for p, _ in self._hists])
+                lost = np.unique(group[at])  # the groups that lost something, each a histogram row
+                hist = np.zeros((len(lost) + 1, self.bins), dtype=np.float32)
+                if len(at):
+                    np.add.at(hist, 1 + np.searchsorted(lost, group[at]), np.concatenate([h for _, h in self._hists]))
                 self._hist = hist
-                frame["_h"] = np.arange(len(frame))
+                frame["_h"] = 0
+                frame.loc[lost, "_h"] = 1 + np.arange(len(lost))
                 frame["share"] = frame["structure"] / frame["numel"].where(frame["numel"] > 0)
                 # Where no line underflowed (the measured underflow fits in the scattered zeros)
                 # and lines hold most of the structure, lines are structure at any step (dead
@@ -120,7 +131,7 @@ class Measurements:
                     frame["numel"] > 0)
                 frame["lost_share"] = frame["lost"] / frame["numel"].where(frame["numel"] > 0)
                 self._parts = [frame[["key", "step", "structure", "lost", "scattered", "numel", "no_hist", "l2sq"]]]
-                self._hists = [hist]
+                self._hists, self._rows = [(lost, hist[1:])], len(frame)
                 self._points = frame.dropna(subset=["share"]).sort_values("step", kind="stable")
             else:
                 self._points = pd.DataFrame({"key": pd.Series([], dtype=np.int64),
@@ -136,13 +147,13 @@ class Measurements:
         """Per row, the nearest measurement of its key at or before its step, or the first after
         it before any (NaN where its key was never measured)."""
         n = len(key)
-        out = Nearest(*(np.full(n, np.nan) for _ in range(5)), hist=np.zeros((n, self.bins)))
+        out = Nearest(*(np.full(n, np.nan) for _ in range(5)), hist=np.zeros((n, self.bins), dtype=np.float32))
         points = self.points
         if not n or not len(points):
             return out
         rows = pd.DataFrame({"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
                              "_i": np.arange(n)}).sort_values("step", kind="stable")
-        found = points[["key", "step", "share", "scattered_share", "lost_share", "no_hist", "l2sq", "_h"]].rename(
+        found = points[["key", "step", "share", "scattered_share", "lost_share", "no_hist", "l2sq", "numel", "_h"]].rename(
             columns={"step": "at"})
         found["step"] = found["at"]
         for direction in ("backward", "forward"):
@@ -155,8 +166,11 @@ class Measurements:
             out.lost[i] = got["lost_share"].to_numpy(dtype=np.float64)
             out.distance[i] = np.abs(got["step"].to_numpy() - got["at"].to_numpy())
             with_hist = got["no_hist"].to_numpy() == 0
-            out.l2[i] = np.where(with_hist, np.sqrt(got["l2sq"].to_numpy(dtype=np.float64)), np.nan)
-            out.hist[i] = self._hist[got["_h"].to_numpy(dtype=np.int64)]
+            # Per element: a module called twice in a step, or with several outputs, has as many
+            # rows (summed here) as the estimated step has, each compared on its own.
+            numel = np.maximum(got["numel"].to_numpy(dtype=np.float64), 1.0)
+            out.rms[i] = np.where(with_hist, np.sqrt(got["l2sq"].to_numpy(dtype=np.float64) / numel), np.nan)
+            out.hist[i] = self._hist[got["_h"].to_numpy(dtype=np.int64)] / numel[:, None].astype(np.float32)
         return out
 
 
@@ -164,14 +178,14 @@ class Measurements:
 class Nearest:
     """What :meth:`Measurements.nearest` finds per row: the measurement's structural share of the
     elements; its scattered structural share (NaN where lines underflowed there); the share that
-    underflowed; the distance in steps; the gradient's norm then (NaN where its ``underflow_hist``
-    was not recorded) and that ``underflow_hist``."""
+    underflowed; the distance in steps; the gradient's root mean square then (NaN where its
+    ``underflow_hist`` was not recorded) and that ``underflow_hist`` per element (float32)."""
 
     share: np.ndarray
     scattered: np.ndarray
     lost: np.ndarray
     distance: np.ndarray
-    l2: np.ndarray
+    rms: np.ndarray
     hist: np.ndarray
 
 

@@ -306,10 +306,10 @@ class _Accumulator:
                 heuristic, numel = estimate[rows], col["numel"][rows].astype(np.float64)
                 estimate[rows] = calibrated(zeros[rows], numel, found.share, heuristic, upper[rows],
                                             found.scattered, col["n_zero_lines"][rows].astype(np.float64))
-                # (the drift of the norm since the measurement: NaN where either norm is unknown)
-                l2 = col["l2"][rows].astype(np.float64)
-                drift = np.log2(np.where((l2 > 0) & (found.l2 > 0), l2, np.nan) / found.l2)
-                still = still_lost(found.hist, min_exp, cut[rows], drift)
+                # (the drift since the measurement, of the root mean square: NaN where either is unknown)
+                rms = col["l2"][rows].astype(np.float64) / np.sqrt(np.maximum(numel, 1.0))
+                drift = np.log2(np.where((rms > 0) & (found.rms > 0), rms, np.nan) / found.rms)
+                still = still_lost(found.hist * numel[:, None], min_exp, cut[rows], drift)
                 low_est[rows] = np.where(np.isnan(found.share), heuristic,
                                          calibrated_low(numel, estimate[rows], heuristic, found.lost, still))
             judged = full & ~output & ~nonfinite & ~np.isnan(estimate)

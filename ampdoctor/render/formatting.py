@@ -41,13 +41,16 @@ def underflow(fields: dict) -> str:
 
 def underflow_range(fields: dict) -> str:
     """A layer's underflow range, ``underflow_rate_min``..``underflow_rate_max`` with one percent
-    sign (``0.52..64.1%``); one number where the two agree to 1e-4; "—" where neither is known."""
+    sign (``0.52..64.1%``); one number where both ends print the same; from 0 where the lower end
+    is unknown (a gradient 0 everywhere: nothing says how much of it underflowed); "—" where the
+    upper end is unknown too."""
     low, high = fields.get("underflow_rate_min"), fields.get("underflow_rate_max")
     if _missing(high):
         return MISSING
-    if not _missing(low) and abs(high - low) < 1e-4:
-        return percent(high)
-    return f"{percent(low or 0.0).rstrip('%')}..{percent(high)}"
+    low_text, high_text = percent(0.0 if _missing(low) else low), percent(high)
+    if low_text == high_text:
+        return high_text
+    return f"{low_text.rstrip('%')}..{high_text}"
 
 
 def code_spans(text: str) -> list[tuple[str, bool]]:

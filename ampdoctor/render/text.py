@@ -77,13 +77,13 @@ def layers_table(layers: list[dict], top: int | None = None, path: str | None = 
     magnitude, ``amax``, is in the other formats: headroom says what it means here). Cut to
     ``top`` rows, it ends with the command that lists them all for the run at ``path``."""
     rows = layers if top is None else layers[:top]
-    head = f"{'layer':<31} {'kind':<11} {'underflow':>9} {'range':>14} {'zero':>7} {'subnorm':>7} {'headroom':>8}"
+    head = f"{'layer':<31} {'kind':<11} {'underflow':>9} {'range':>16} {'zero':>8} {'subnorm':>8} {'headroom':>8}"
     lines = [head]
     marks = [sections.measured_mark(r.get("underflow_measured")) for r in rows]
     for r, mark in zip(rows, marks):
         lines.append(f"{shorten(sections.layer_label(r), 31, keep_head=False):<31} {r['kind']:<11} "
-                     f"{percent(r['underflow_rate']) + mark:>9} {underflow_range(r):>14} "
-                     f"{percent(r['zero_rate']):>7} {percent(r['subnormal_rate']):>7} "
+                     f"{percent(r['underflow_rate']) + mark:>9} {underflow_range(r):>16} "
+                     f"{percent(r['zero_rate']):>8} {percent(r['subnormal_rate']):>8} "
                      f"{binades(r['headroom_log2']):>8}")
     for legend in (sections.measured_legend(rows), sections.range_legend(rows)):
         if legend:
