@@ -59,8 +59,7 @@ def materialize(record: StepRecord | FlightRecord | ParamRecord, *, hist_bins: i
                          lost_hists=lost_hists)]
     if record.taps:
         tap_stats = HostStats.concat([t.stats.decode() for t in record.taps])
-        tap_lost = [np.asarray(t.lost.decode().hist, dtype=np.int64).reshape(-1) if t.lost is not None else None
-                    for t in record.taps]
+        tap_lost = [_lost_rows(t.lost, 1)[0] if t.lost is not None else None for t in record.taps]
         blocks.append(step.block(_Labels.of_taps(record.taps), _stat_columns(tap_stats), taps=record.taps,
                                  measured=None if record.tap_measured is None else record.tap_measured.tolist(),
                                  lost_hists=tap_lost if any(h is not None for h in tap_lost) else None))
@@ -207,13 +206,14 @@ def _measured(groups: list) -> np.ndarray | None:
 def _lost_hists(groups: list, measured: np.ndarray, bins: int) -> np.ndarray:
     """int64 [parameter gradients, bins]: each measured gradient's underflowed elements by binade
     (``underflow_hist``), in row order; zeros where not measured."""
-    parts = []
-    for g in groups:
-        if g.lost is not None:
-            parts.append(np.asarray(g.lost.decode().hist, dtype=np.int64).reshape(len(g.names), -1))
-        else:
-            parts.append(np.zeros((len(g.names), bins), dtype=np.int64))
+    parts = [_lost_rows(g.lost, len(g.names)) if g.lost is not None else np.zeros((len(g.names), bins), dtype=np.int64)
+             for g in groups]
     return np.concatenate(parts) if parts else np.zeros((len(measured), bins), dtype=np.int64)
+
+
+def _lost_rows(lost, n: int) -> np.ndarray:
+    """int64 [n, bins]: the histograms of ``n`` tensors' lost values (their copied statistics)."""
+    return np.asarray(lost.decode().hist, dtype=np.int64).reshape(n, -1)
 
 
 def _objects(n: int, values=None) -> np.ndarray:

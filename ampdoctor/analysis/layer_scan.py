@@ -290,7 +290,7 @@ class _Accumulator:
             # A measured count's lower end leaves out what may be rounding noise: below the step's
             # largest peak x 2^-24 for a parameter gradient (calibration.Tails), below its own for
             # a module output gradient (calibration.lost_below).
-            noisy = measured & np.asarray(batch.column("underflow_hist").is_valid(), dtype=bool)
+            noisy = measured & batch.column("underflow_hist").is_valid().to_numpy(zero_copy_only=False)
             if noisy.any():
                 at = np.nonzero(noisy)[0]  # (only these rows' histograms: batches are mostly other rows)
                 lost_hist = hist_matrix(batch.column("underflow_hist").take(pa.array(at)), bins, np.float64)
