@@ -23,7 +23,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 
 RUNS = {"healthy": ["--steps", "40"], "nan": ["--scenario", "nan"], "overflow": ["--scenario", "overflow"]}
 FORMATS = {"info": ["text", "json"], "report": ["text", "md", "json", "html"], "simulate": ["text", "md", "json"],

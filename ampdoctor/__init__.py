@@ -9,23 +9,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .errors import AmpdoctorError, RecorderError, RunError  # noqa: E402
 
 # name → (module, its attribute)
-_LAZY = {"GradScaler": ("scaler", "GradScaler"), "wrap": ("scaler", "wrap"), "unwrap": ("scaler", "unwrap"),
-         "load": ("run", "load"), "read_run": ("run", "read_run"), "Run": ("run", "Run"),
+_LAZY = {"GradScaler": ("record.scaler", "GradScaler"), "wrap": ("record.scaler", "wrap"), "unwrap": ("record.scaler", "unwrap"),
+         "load": ("read.run", "load"), "read_run": ("read.run", "read_run"), "Run": ("read.run", "Run"),
          "find_origins": ("analysis.origins", "find_origins"),
-         "report": ("contracts", "report"), "postmortem": ("contracts", "postmortem"),
-         "compare": ("contracts", "compare"), "simulate": ("contracts", "simulate"),
-         "layers": ("contracts", "layers"), "fp8": ("contracts", "fp8")}
+         "report": ("commands", "report"), "postmortem": ("commands", "postmortem"),
+         "compare": ("commands", "compare"), "simulate": ("commands", "simulate"),
+         "layers": ("commands", "layers"), "fp8": ("commands", "fp8")}
 
 if TYPE_CHECKING:
     from .analysis.origins import find_origins
-    from .contracts import compare, fp8, layers, postmortem, report, simulate
-    from .run import Run, load, read_run
-    from .scaler import GradScaler, unwrap, wrap
+    from .commands import compare, fp8, layers, postmortem, report, simulate
+    from .read.run import Run, load, read_run
+    from .record.scaler import GradScaler, unwrap, wrap
 
 __all__ = ["GradScaler", "wrap", "unwrap", "load", "read_run", "Run", "find_origins", "report", "postmortem",
            "compare", "simulate", "layers", "fp8", "AmpdoctorError", "RecorderError", "RunError", "__version__"]

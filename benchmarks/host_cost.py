@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampdoctor
-from ampdoctor.demo import TinyGPT
+from ampdoctor.cli.demo import TinyGPT
 
 LAYERS = (1, 4, 16)
 LEVELS = ("plain", "steps", "params", "full")

@@ -2,7 +2,7 @@
 user pays it at the default cadence, and of the tools people use today (transformers'
 DebugUnderflowOverflow, torch.autograd.detect_anomaly).
 
-What it measures. An ampdoctor step is one of four kinds (``ampdoctor/plan.py``): *steady* (light
+What it measures. An ampdoctor step is one of four kinds (``ampdoctor/record/plan.py``): *steady* (light
 statistics), *sampled* (full statistics of the gradients; every ``every`` = 100 steps by default),
 at ``level="full"`` *module-sampled* (full statistics of the module taps too; every
 ``module_every`` = 1000), and *measured* (the underflow measured by a float32 shadow of the
@@ -86,7 +86,7 @@ OPTIONS = {"ampdoctor:steps": dict(level="steps"), "ampdoctor:params": dict(leve
            "ampdoctor:full": dict(level="full"), "ampdoctor:full-every10": dict(level="full", every=10),
            # (what the FP8 operands cost at full: not in trees before the fp8 option, 2026-11-27)
            "ampdoctor:full-no-fp8": dict(level="full", fp8=False)}
-# ampdoctor's defaults (README; ampdoctor/options.py), written out because an older tree may not
+# ampdoctor's defaults (README; ampdoctor/record/options.py), written out because an older tree may not
 # export them; _check_defaults compares them with the imported ampdoctor's where it has them.
 DEFAULT_EVERY, DEFAULT_MODULE_EVERY, ESCALATE_STEPS = 100, 1000, 20
 # state_dict's step number and run id (documented in ampdoctor.GradScaler.state_dict)
@@ -98,13 +98,13 @@ EVENTS = KINDS[1:]
 def _measures() -> bool:
     """Whether the imported ampdoctor measures underflow (``measure_every``): an older tree does not."""
     try:
-        from ampdoctor.options import RecordOptions
+        from ampdoctor.record.options import RecordOptions
     except ImportError:
         return False
     return "measure_every" in getattr(RecordOptions, "__dataclass_fields__", {})
 
 
-# -- the model: a copy of ampdoctor.demo.TinyGPT, so that an older tree trains the same workload --
+# -- the model: a copy of ampdoctor.cli.demo.TinyGPT, so that an older tree trains the same workload --
 class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
@@ -149,7 +149,7 @@ def build_model(size: str) -> GPT:
 # -- which steps are which ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Cadence:
-    """Which step numbers get full statistics (ampdoctor/plan.py, escalation aside), for the
+    """Which step numbers get full statistics (ampdoctor/record/plan.py, escalation aside), for the
     user's cadence (``kind``, ``weights``) and for the timed one (``timed_kind``): the benchmark's
     scalers measure underflow on every other measured step of the user's cadence
     (``timing_measure_every``), so that at ``level="full"`` the module-sampled steps that are not
@@ -520,7 +520,7 @@ def _count_syncs(fn, *args) -> int:
 def _check_defaults() -> dict:
     """The cadence this script assumes, checked against the imported ampdoctor's where it says."""
     try:
-        from ampdoctor import options
+        from ampdoctor.record import options
     except ImportError:
         options = None
     found = {"every": getattr(options, "DEFAULT_EVERY", None), "module_every": getattr(options, "DEFAULT_MODULE_EVERY", None)}

@@ -28,10 +28,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ampdoctor.hist_column import as_hist_column, hist_matrix
-from ampdoctor.schema import HIST_BINS, run_schema
-from ampdoctor import writer
-from ampdoctor.writer import Columns
+from ampdoctor.run_file.hist_column import as_hist_column, hist_matrix
+from ampdoctor.run_file.schema import HIST_BINS, run_schema
+from ampdoctor.record import writer
+from ampdoctor.record.writer import Columns
 
 
 def segment_columns(steps: int, params: int, every: int, seed: int = 0) -> Columns:

@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from ampdoctor import run as run_module
-from ampdoctor import segment as segment_module
-from ampdoctor.cli import main
+from ampdoctor.read import run as run_module
+from ampdoctor.read import segment as segment_module
+from ampdoctor.cli.commands import main
 from ampdoctor.errors import RunError
-from ampdoctor.run import read_run
+from ampdoctor.read.run import read_run
 from test_run import record
 
 COMMANDS = (["info"], ["report"], ["report", "--format", "html"], ["postmortem"], ["simulate"], ["layers"])

@@ -1,4 +1,4 @@
-"""The call structure of module taps across steps (ampdoctor/call_graph.py) and what a light step
+"""The call structure of module taps across steps (ampdoctor/record/call_graph.py) and what a light step
 costs: the facts of every call are those a fresh set of taps computes, on models whose calls or
 routing change from step to step; a static model makes no new call objects after its first step;
 a light step dispatches two ops per tapped module (their ``aminmax``) and a constant."""
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.demo import TinyGPT
-from ampdoctor.call_graph import ModuleCall
-from ampdoctor.hooks import ModuleTaps
-from ampdoctor.light_taps import LightTaps, observations
+from ampdoctor.cli.demo import TinyGPT
+from ampdoctor.record.call_graph import ModuleCall
+from ampdoctor.record.hooks import ModuleTaps
+from ampdoctor.record.light_taps import LightTaps, observations
 from models import DeepNet, batches, checkpointed
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))

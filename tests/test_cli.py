@@ -9,7 +9,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from test_run import record
 
 
@@ -85,10 +85,10 @@ def test_import_and_help_load_neither_torch_nor_pandas():
             "from ampdoctor import cli\n"
             "heavy = [m for m in ('torch', 'pandas', 'matplotlib') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
-            "assert ampdoctor.GradScaler.__module__ == 'ampdoctor.scaler' and 'torch' in sys.modules\n")
+            "assert ampdoctor.GradScaler.__module__ == 'ampdoctor.record.scaler' and 'torch' in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     for flag in ("--help", "--version"):
-        probe = ("import sys; from ampdoctor.cli import main\n"
+        probe = ("import sys; from ampdoctor.cli.commands import main\n"
                  "try:\n    main([%r])\nexcept SystemExit as exc:\n    assert not exc.code\n"
                  "assert 'torch' not in sys.modules and 'pandas' not in sys.modules\n") % flag
         subprocess.run([sys.executable, "-c", probe], check=True, timeout=120, capture_output=True)
@@ -100,7 +100,7 @@ def test_reading_a_run_imports_no_torch(tmp_path):
     ``ampdoctor.postmortem`` functions too."""
     path = tmp_path / "run.parquet"
     record(path, steps=4, init_scale=2.0**24)
-    probe = ("import sys\nfrom ampdoctor.cli import main\n"
+    probe = ("import sys\nfrom ampdoctor.cli.commands import main\n"
              "for args in (['info'], ['report'], ['report', '--format', 'html'], ['simulate'], ['layers'],\n"
              "             ['postmortem', '--format', 'md'], ['watch'], ['compare', %r]):\n"
              "    try:\n        main([*args[:1], %r, *args[1:]])\n"
@@ -119,7 +119,7 @@ def test_an_internal_error_is_one_line_unless_a_traceback_is_asked_for(tmp_path,
     def broken(run):
         return 1 / 0
 
-    monkeypatch.setattr("ampdoctor.run.describe", broken)
+    monkeypatch.setattr("ampdoctor.read.run.describe", broken)
     monkeypatch.delenv("AMPDOCTOR_DEBUG", raising=False)
     result = CliRunner().invoke(main, ["info", str(path)])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
@@ -131,7 +131,7 @@ def test_an_internal_error_is_one_line_unless_a_traceback_is_asked_for(tmp_path,
 
 def test_every_simulate_setting_has_help(cli):
     """Each setting of `simulate` says what it does and what it defaults to."""
-    from ampdoctor.cli import simulate
+    from ampdoctor.cli.commands import simulate
 
     options = {p.name: p for p in simulate.params if isinstance(p, click.Option)}
     for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",

@@ -18,7 +18,7 @@ import ampdoctor
 from ampdoctor import render
 from ampdoctor.analysis.compare import (SETTINGS, UNDERFLOW_SLACK, check_skipped, check_underflow, compare_data,
                                         join_layers, setting_differences)
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from ampdoctor.render.formatting import scale_str
 from contract_check import UNDERFLOW_FIELDS, check_contract
 from models import batches, fit, QuietMLP
@@ -281,7 +281,7 @@ def test_a_bad_path_is_one_line_and_exit_2(runs, tmp_path):
 
 
 def test_compare_reads_runs_without_torch(runs):
-    code = ("import sys; from ampdoctor.cli import main\n"
+    code = ("import sys; from ampdoctor.cli.commands import main\n"
             f"try: main(['compare', {str(runs['A'])!r}, {str(runs['B'])!r}, '--format', 'json'])\n"
             "except SystemExit as e: assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules, 'imported'\n")

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.formats import FLOAT16
+from ampdoctor.float_formats import FLOAT16
 from ampdoctor.analysis.origins import find_origins
-from ampdoctor.run import read_run
-from ampdoctor.scaler import _Recording  # (ampdoctor.scaler is an attribute only once imported)
+from ampdoctor.read.run import read_run
+from ampdoctor.record.scaler import _Recording  # (ampdoctor.record.scaler is an attribute only once imported)
 from ampdoctor.stats import full_stats, light_stats
-from ampdoctor.transfer import HostCopies
+from ampdoctor.record.transfer import HostCopies
 from models import MLP, DeepNet, batches, mse
 
 pytestmark = pytest.mark.cuda

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 import ampdoctor
-from ampdoctor.cli import main
-from ampdoctor.demo import SCENARIOS, DemoError, fault_step, run_demo
-from ampdoctor.schema import META_INIT_SCALE
+from ampdoctor.cli.commands import main
+from ampdoctor.cli.demo import SCENARIOS, DemoError, fault_step, run_demo
+from ampdoctor.run_file.schema import META_INIT_SCALE
 
 STEPS = 60  # fewer than the CPU default of 150: every scenario already shows its problem by then
 FAULT = fault_step("nan", STEPS)
@@ -236,7 +236,7 @@ def test_a_writer_that_does_not_finish_is_an_error(tmp_path, monkeypatch):
 
     import pyarrow.parquet as pq
 
-    from ampdoctor import writer
+    from ampdoctor.record import writer
 
     release = threading.Event()
 
@@ -261,7 +261,7 @@ def test_a_writer_that_does_not_finish_is_an_error(tmp_path, monkeypatch):
 # -- other scaler settings (to check a recommendation with `ampdoctor compare`) ----------------------
 
 def test_other_scaler_settings_replace_the_scenarios(tmp_path):
-    from ampdoctor.schema import META_GROWTH_INTERVAL
+    from ampdoctor.run_file.schema import META_GROWTH_INTERVAL
 
     path = tmp_path / "run.parquet"
     result = run_demo(path, scenario="overflow", steps=3, device="cpu", init_scale=2.0**8, growth_interval=50)
@@ -296,7 +296,7 @@ def test_settings_from_a_run_train_its_recommendation(demos, tmp_path):
 
 
 def test_the_eta_comes_from_recent_steps_not_the_warm_up():
-    from ampdoctor.demo import StepTimer
+    from ampdoctor.cli.demo import StepTimer
 
     now = [0.0]
     timer = StepTimer(150, clock=lambda: now[0])

@@ -26,11 +26,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import ampdoctor
-from ampdoctor.records import FlightRecord, StepRecord
-from ampdoctor.run_identity import broadcast_device
-from ampdoctor.run import read_run
+from ampdoctor.record.records import FlightRecord, StepRecord
+from ampdoctor.record.run_identity import broadcast_device
+from ampdoctor.read.run import read_run
 from ampdoctor.stats import FullStats, LightStats
-from ampdoctor.transfer import Fence, HostCopies
+from ampdoctor.record.transfer import Fence, HostCopies
 from models import MLP, batches, mse
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -296,7 +296,7 @@ def test_close_waits_for_late_copies_within_its_timeout(tmp_path):
 def test_the_run_id_broadcast_uses_the_rank_s_own_gpu(monkeypatch):
     """Issue 17, item 7: under NCCL broadcast_object_list defaults to current_device(), GPU 0 on
     every rank that never called set_device."""
-    from ampdoctor import run_identity
+    from ampdoctor.record import run_identity
     dist = torch.distributed
     monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -361,7 +361,7 @@ class NoInit(torch.optim.SGD):
 def test_the_host_seen_skip_with_two_optimizers_a_hookless_one_and_a_disabled_scaler(tmp_path, monkeypatch):
     # A LateEvent lands when waited on: a writer that polls would wait on step 3's fence before
     # step 6 on a slow machine and make the skip known early. It sleeps until a sync or close here.
-    from ampdoctor import writer
+    from ampdoctor.record import writer
     monkeypatch.setattr(writer, "POLL_SECONDS", 60.0)
     two = lambda m: [torch.optim.SGD(m.fc1.parameters(), lr=1e-3), torch.optim.SGD(m.fc2.parameters(), lr=1e-3)]
     # fc2's optimizer skips at step 3 (its found_inf), fc1's runs: the step is anomalous, seen at once

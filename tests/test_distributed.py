@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ampdoctor
-from ampdoctor.schema import META_RUN_ID, META_WORLD_SIZE
+from ampdoctor.run_file.schema import META_RUN_ID, META_WORLD_SIZE
 from models import MLP, batches, mse
 
 WORLD = 2

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor import writer as writer_module
-from ampdoctor.run import read_run
+from ampdoctor.record import writer as writer_module
+from ampdoctor.read.run import read_run
 from models import MLP, batches, mse
 
 TESTS = Path(__file__).parent
@@ -126,7 +126,7 @@ def test_a_record_queued_as_close_is_asked_is_written(tmp_path):
     """The worker finds the queue empty; before it looks whether a close was asked, the training
     thread queues a record and asks for the close (put(), then close()): the record is still
     written, not left behind in the queue (the close is read before the queue, not after)."""
-    from ampdoctor.schema import HIST_BINS
+    from ampdoctor.run_file.schema import HIST_BINS
 
     seen, injected = [], threading.Event()
     w = writer_module.RunWriter(tmp_path / "run.parquet", metadata=dict, hist_bins=HIST_BINS,
@@ -154,7 +154,7 @@ EXIT = textwrap.dedent("""
     atexit.register(lambda: print("handlers-done", time.monotonic(), flush=True))
     sys.path.insert(0, {tests!r})
     import torch, pyarrow.parquet as pq, ampdoctor
-    from ampdoctor import shutdown, writer
+    from ampdoctor.record import shutdown, writer
     from models import MLP, batches, mse
     path, how, queued, bound = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     if bound != writer.EXIT_SECONDS:  # a shorter bound for speed: the same code paths
@@ -335,7 +335,7 @@ def test_an_exit_short_of_time_counts_what_it_could_not_write(run_path):
     assert run.ended_cleanly  # (its writer wrote its final segment: without those steps)
     from click.testing import CliRunner
 
-    from ampdoctor.cli import main
+    from ampdoctor.cli.commands import main
     result = CliRunner().invoke(main, ["info", str(run_path)])
     assert result.exit_code == 0, result.output
     assert f"at exit, without {run.unwritten_at_exit} step(s)" in result.output

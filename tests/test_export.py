@@ -14,8 +14,8 @@ from torch import nn
 
 import ampdoctor
 from ampdoctor.analysis.underflow import underflow_bounds
-from ampdoctor.cli import main
-from ampdoctor.formats import FLOAT16
+from ampdoctor.cli.commands import main
+from ampdoctor.float_formats import FLOAT16
 from models import batches, mse
 
 pytest.importorskip("tensorboard")

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import fp8_truth as F
-from ampdoctor import fine_bins
+from ampdoctor.run_file import fine_bins
 from ampdoctor.analysis import fp8
 from ampdoctor.errors import RunError
-from ampdoctor.schema import META_GEMM_LAYERS, META_LEVEL, META_RUN_ID, META_SCHEMA_VERSION, SCHEMA_VERSION
+from ampdoctor.run_file.schema import META_GEMM_LAYERS, META_LEVEL, META_RUN_ID, META_SCHEMA_VERSION, SCHEMA_VERSION
 from ampdoctor.stats import fine_hist as FH
 from contract_check import FP8_CONTRACT, check_contract
 
@@ -511,7 +511,7 @@ def test_the_shortest_history_of_a_long_run_is_found_without_trying_each_history
 
 def _segment(path, rows: list[dict], meta: dict[str, str]):
     """A hand-written run segment holding ``rows`` (GEMM rows, the other columns null)."""
-    from ampdoctor.run import empty_table
+    from ampdoctor.read.run import empty_table
 
     empty = empty_table()
     n = len(rows)

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from torch import nn
 
 import ampdoctor
-from ampdoctor import schema
-from ampdoctor.cli import main
+from ampdoctor.run_file import schema
+from ampdoctor.cli.commands import main
 from ampdoctor.errors import RunError
 from ampdoctor.render.fp8 import render_fp8
 from contract_check import FP8_CONTRACT, check_contract

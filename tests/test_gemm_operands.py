@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 import ampdoctor
 import fp8_truth as F
 from ampdoctor.analysis.fp8 import predictions
-from ampdoctor.cli import main
-from ampdoctor.schema import GEMM_KINDS, META_GEMM_LAYERS
+from ampdoctor.cli.commands import main
+from ampdoctor.run_file.schema import GEMM_KINDS, META_GEMM_LAYERS
 from ampdoctor.stats.fine_hist import fine_hist
 
 INPUT, WEIGHT, GRAD = GEMM_KINDS
@@ -282,7 +282,7 @@ def test_a_layer_never_called_as_a_module_is_named_not_assessed(tmp_path):
 def test_peaks_beyond_the_per_step_limit_are_warned_not_dropped_silently(tmp_path, monkeypatch):
     """More GEMM observations in a step than the recorder keeps (a long loop of calls): the rest
     is counted with the module observations and warned about once."""
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     monkeypatch.setattr(recorder, "MAX_TAP_ROWS_PER_STEP", 10)
     torch.manual_seed(0)

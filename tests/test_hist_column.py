@@ -1,4 +1,4 @@
-"""The run file's ``hist`` column (schema version 2, ``ampdoctor/hist_column.py``): written and read
+"""The run file's ``hist`` column (schema version 2, ``ampdoctor/run_file/hist_column.py``): written and read
 back through Parquet in every mix of full and light rows, and runs of schema version 1 read by the
 new code. The cross-version checks with other pyarrow releases run in ``.ci/compat``."""
 
@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from ampdoctor.cli import main
-from ampdoctor.hist_column import (HIST_TYPE, READS_V1_NULLS, BadHistogram, as_hist_column, hist_array, hist_matrix)
-from ampdoctor.run import read_run
-from ampdoctor.schema import SCHEMA_VERSION
+from ampdoctor.cli.commands import main
+from ampdoctor.run_file.hist_column import (HIST_TYPE, READS_V1_NULLS, BadHistogram, as_hist_column, hist_array, hist_matrix)
+from ampdoctor.read.run import read_run
+from ampdoctor.run_file.schema import SCHEMA_VERSION
 
 V1_RUNS = Path(__file__).parent / "data" / "runs-v1"
 PYARROW = tuple(int(p) for p in pa.__version__.split(".")[:2])
@@ -143,7 +143,7 @@ def old_pyarrow(monkeypatch):
     """The readers' view of the installed pyarrow as 25.0 (which cannot read v1 null histograms);
     its reads raise what pyarrow 14.0 to 25.0 raise on them (seen in .ci/compat, which runs the
     real ones), should a reader try."""
-    from ampdoctor import hist_column
+    from ampdoctor.run_file import hist_column
 
     monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (25, 0))
     monkeypatch.setattr(pa, "__version__", "25.0.1")
@@ -186,7 +186,7 @@ def test_an_old_pyarrow_names_the_fix_for_version_1_runs(tmp_path, old_pyarrow):
 def test_the_error_pyarrow_raises_is_recognised_too(tmp_path, monkeypatch):
     """Should the footer not tell (no statistics), the error pyarrow raises while reading gives
     the same line; any other error is damage, as before."""
-    from ampdoctor import hist_column
+    from ampdoctor.run_file import hist_column
 
     monkeypatch.setattr(hist_column, "unreadable_here", lambda *args: None)  # the footer did not say
     monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (25, 0))
@@ -201,7 +201,7 @@ def test_the_error_pyarrow_raises_is_recognised_too(tmp_path, monkeypatch):
 
 
 def test_the_fix_fits_the_environment(monkeypatch):
-    from ampdoctor import hist_column
+    from ampdoctor.run_file import hist_column
 
     import numpy
     monkeypatch.setattr(hist_column.sys, "version_info", (3, 11, 7))
@@ -291,7 +291,7 @@ def test_a_run_resumed_with_other_histogram_bins_skips_those_segments(tmp_path):
 def test_the_histogram_length_is_read_from_the_footer(tmp_path):
     """Version 2's footer statistics give the length, over several row groups, all-null ones and
     none; without statistics the metadata says."""
-    from ampdoctor.segment import _hist_statistics, _list_size
+    from ampdoctor.read.segment import _hist_statistics, _list_size
 
     column = hist_array([np.ones((3, 16), np.int64), np.full(5, None, dtype=object), np.ones((2, 16), np.int64)], 16)
     table = pa.table({"hist": column})
@@ -377,7 +377,7 @@ def test_counts_past_two_to_the_31_survive(tmp_path):
 def test_a_segment_of_more_counts_than_int32_offsets_address_is_a_large_list(tmp_path, monkeypatch):
     """Past 2**31 counts in one segment (module rows of a large model at full detail) the column is
     written as a large list, and read back as the same histograms (the threshold made small here)."""
-    from ampdoctor import hist_column
+    from ampdoctor.run_file import hist_column
 
     monkeypatch.setattr(hist_column, "LIST_VALUES", 100)
     rng = np.random.default_rng(3)
@@ -394,7 +394,7 @@ def test_a_segment_of_more_counts_than_int32_offsets_address_is_a_large_list(tmp
 
 
 def test_the_footer_decides_which_version_1_segments_this_pyarrow_cannot_read(monkeypatch):
-    from ampdoctor import hist_column
+    from ampdoctor.run_file import hist_column
 
     fixed, listed = pa.list_(pa.int32(), 64), HIST_TYPE
     monkeypatch.setattr(hist_column, "_pyarrow_release", lambda: (25, 0))

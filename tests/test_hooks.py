@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import ampdoctor
-from ampdoctor.hooks import ROOT_NAME, select_modules
-from ampdoctor.schema import GEMM_KINDS
+from ampdoctor.record.hooks import ROOT_NAME, select_modules
+from ampdoctor.run_file.schema import GEMM_KINDS
 from ampdoctor.analysis.origins import find_origins
 from models import MLP, DeepNet, SharedNet, WithHead, batches, checkpointed, fit, mse, set_at
 
@@ -121,7 +121,7 @@ def test_rows_carry_order_call_parent_inputs(run_path):
 def _module_rows_with_and_without_repeats(monkeypatch, record_run) -> list[tuple]:
     """``record_run(reuse)`` (a recorded run's frame) with the repeat reused, then with every tensor
     reduced anew: per run, its module rows in step, kind and order, and its full_stats calls."""
-    from ampdoctor import light_taps, recorder
+    from ampdoctor.record import light_taps, recorder
 
     frames, calls = [], []
     real = recorder.full_stats
@@ -410,7 +410,7 @@ def test_unwrap_removes_the_taps(run_path):
 
 
 def test_a_failing_tap_warns_once_and_training_is_unchanged(run_path, monkeypatch):
-    import ampdoctor.hooks as hooks_module
+    import ampdoctor.record.hooks as hooks_module
 
     def broken(value):
         raise RuntimeError("boom in the tap")
@@ -431,7 +431,7 @@ def test_a_failing_tap_warns_once_and_training_is_unchanged(run_path, monkeypatc
 
 
 def test_a_failing_tap_raises_in_strict_mode(run_path, monkeypatch):
-    import ampdoctor.light_taps as light_taps_module
+    import ampdoctor.record.light_taps as light_taps_module
 
     monkeypatch.setattr(light_taps_module, "extremes", lambda t: 1 / 0)
     model = DeepNet()

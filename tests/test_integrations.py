@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 import ampdoctor
 from ampdoctor.integrations import require
-from ampdoctor.run import describe, read_run
+from ampdoctor.read.run import describe, read_run
 
 SCALER_ARGS = dict(init_scale=2.0**18, growth_interval=2)  # skips at first, then steps, grows, backs off
 BATCH = 2

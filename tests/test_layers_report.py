@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from ampdoctor.analysis.layers import layers_data
 from ampdoctor.analysis.report import report_data
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from ampdoctor.render import contract
 from models import train_recorded
 from report_scenarios import scenarios  # noqa: F401 - the fixture
@@ -113,7 +113,7 @@ def test_runs_without_module_types_show_the_names_as_they_are(tmp_path):
     from types import SimpleNamespace
 
     from ampdoctor.analysis.layers import module_types
-    from ampdoctor.schema import META_MODULE_TYPES
+    from ampdoctor.run_file.schema import META_MODULE_TYPES
 
     path = tmp_path / "older.parquet"
     train_recorded(path, steps=4, model_factory=Indexed)

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import ampdoctor
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from ampdoctor.render.formatting import VERDICTS
 
 STEPS = 30
@@ -102,7 +102,7 @@ def test_simulate_and_layers_are_their_contracts_and_show_as_text(tmp_path):
     from click.testing import CliRunner
 
     import ampdoctor
-    from ampdoctor.cli import main
+    from ampdoctor.cli.commands import main
     from test_run import record
 
     path = record(tmp_path / "run.parquet", steps=6, init_scale=2.0**24)

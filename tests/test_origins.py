@@ -11,7 +11,7 @@ import torch
 import ampdoctor
 from ampdoctor.analysis.origins import OUTSIDE, find_origins, nonfinite_rows
 from ampdoctor.analysis.report import report_data
-from ampdoctor.call_graph import tensors_in
+from ampdoctor.record.call_graph import tensors_in
 from ampdoctor.render import contract
 from models import Amplify, CallAmplifier, DeepNet, SharedNet, batches, fit, set_at
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from ampdoctor import dependencies
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,9 +102,9 @@ def test_a_failed_import_says_what_to_change(versions):
 def test_a_known_broken_pair_is_refused_before_pyarrow_is_imported(versions, monkeypatch, tmp_path):
     """The pair is named from the installed versions alone, before any command imports pyarrow
     (whose failure prints numpy's banner and a traceback of its own)."""
-    import ampdoctor.run
+    import ampdoctor.read.run
 
-    monkeypatch.setattr(ampdoctor.run, "read_run", lambda *a, **k: pytest.fail("read before the check"))
+    monkeypatch.setattr(ampdoctor.read.run, "read_run", lambda *a, **k: pytest.fail("read before the check"))
     versions(numpy="1.26.4", pyarrow="26.0.1")
     for command in (["report", str(tmp_path)], ["demo", "--out", str(tmp_path / "x")]):
         result = CliRunner().invoke(main, command)
@@ -133,10 +133,10 @@ def _import_failing_in(tmp_path, package: str, error: str):
 
 
 def test_any_other_failed_import_names_the_package_and_the_versions(versions, monkeypatch, tmp_path):
-    import ampdoctor.run
+    import ampdoctor.read.run
 
     versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.2.3")
-    monkeypatch.setattr(ampdoctor.run, "read_run",
+    monkeypatch.setattr(ampdoctor.read.run, "read_run",
                         _import_failing_in(tmp_path, "pandas", "ValueError('numpy.dtype size changed')"))
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code == 2
@@ -148,11 +148,11 @@ def test_any_other_failed_import_names_the_package_and_the_versions(versions, mo
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.output.strip() == "Error: pandas 2.1.4 needs numpy 1.x, not 2.4.6: pip install 'pandas>=2.2.2'"
     # A ValueError of our own, not raised while importing a dependency, stays an internal error.
-    monkeypatch.setattr(ampdoctor.run, "read_run", lambda *a, **k: (_ for _ in ()).throw(ValueError("ours")))
+    monkeypatch.setattr(ampdoctor.read.run, "read_run", lambda *a, **k: (_ for _ in ()).throw(ValueError("ours")))
     versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.2.3")
     assert "internal error: ValueError: ours" in CliRunner().invoke(main, ["report", str(tmp_path)]).output
     # An import of ampdoctor's own modules that fails is a bug, and says so.
-    monkeypatch.setattr(ampdoctor.run, "read_run",
+    monkeypatch.setattr(ampdoctor.read.run, "read_run",
                         lambda *a, **k: (_ for _ in ()).throw(ModuleNotFoundError("x", name="ampdoctor.nothing")))
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "internal error" in result.output
@@ -169,7 +169,7 @@ def test_the_library_raises_a_dependency_error(versions, monkeypatch):
     assert isinstance(caught.value, ImportError) and isinstance(caught.value, ampdoctor.AmpdoctorError)
     # No known pair, but the import fails all the same: one line, the failure and the versions.
     versions(numpy="2.4.6", pyarrow="26.0.1")
-    monkeypatch.delitem(sys.modules, "ampdoctor.run", raising=False)
+    monkeypatch.delitem(sys.modules, "ampdoctor.read.run", raising=False)
     real = builtins.__import__
 
     def no_pyarrow(name, *args, **kwargs):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampdoctor.anomalies import AnomalyWatch
-from ampdoctor.options import RecordOptions
-from ampdoctor.plan import StepPlan
-from ampdoctor.records import FlightRecord, FlightStep, pack_scalars
-from ampdoctor.transfer import HostCopies
+from ampdoctor.record.anomalies import AnomalyWatch
+from ampdoctor.record.options import RecordOptions
+from ampdoctor.record.plan import StepPlan
+from ampdoctor.record.records import FlightRecord, FlightStep, pack_scalars
+from ampdoctor.record.transfer import HostCopies
 
 
 def _plan(**options) -> StepPlan:

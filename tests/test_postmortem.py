@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import ampdoctor
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from ampdoctor import render
 from ampdoctor.analysis.nonfinite_cause import CAUSES
 from ampdoctor.analysis.postmortem import postmortem_data
@@ -259,7 +259,7 @@ def test_postmortem_html_opens_in_headless_chromium(runs, tmp_path):
 
 
 def test_a_run_of_skipped_steps_waits_for_the_disk_once(tmp_path, monkeypatch):
-    from ampdoctor.writer import RunWriter
+    from ampdoctor.record.writer import RunWriter
     from models import train_recorded
 
     calls = []

@@ -165,7 +165,7 @@ def test_readme_and_docs_link_only_inside_the_repository():
 
 def test_the_run_file_page_lists_the_metadata_keys_of_the_code():
     """docs/run-file.md's footer table names exactly ``schema.META_KEYS``."""
-    from ampdoctor.schema import META_KEYS
+    from ampdoctor.run_file.schema import META_KEYS
 
     page = (ROOT / "docs" / "run-file.md").read_text(encoding="utf-8")
     table = page.split("\n## Footer metadata", 1)[1].split("\n## ", 1)[0]

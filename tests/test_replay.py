@@ -17,7 +17,7 @@ from ampdoctor.analysis.replay import prepare, replay
 from ampdoctor.analysis.scaler_config import ScalerConfig
 from ampdoctor.analysis.simulate import simulate_data
 from ampdoctor.analysis.steps import StepSeries
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from ampdoctor.render import contract
 from models import MLP, train_recorded
 from report_scenarios import SCENARIOS, scenarios, within  # noqa: F401 - the fixture
@@ -131,7 +131,7 @@ def test_hysteresis_follows_megatron():
 
 
 def _series(amax):
-    from ampdoctor.formats import FLOAT16
+    from ampdoctor.float_formats import FLOAT16
     n = len(amax)
     zeros = np.zeros(n)
     return StepSeries(steps=np.arange(n), scale=np.ones(n), recorded_scale=np.ones(n), skipped=np.zeros(n, bool),

@@ -18,7 +18,7 @@ import ampdoctor
 from ampdoctor import render
 from ampdoctor.analysis.report import report_data
 from ampdoctor.analysis.run_analysis import analyse
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from contract_check import REPORT_CONTRACT, SIMULATE_CONTRACT, check_contract
 from models import train_recorded
 from report_scenarios import SCENARIOS, STEPS, scenarios  # noqa: F401 - the fixture
@@ -68,7 +68,7 @@ def test_html_opens_in_headless_chromium_without_errors(scenarios, tmp_path):
 
 def test_report_reads_only_the_columns_it_needs(scenarios, monkeypatch):
     """No full load: the report never builds the all-columns frame."""
-    from ampdoctor.run import Run
+    from ampdoctor.read.run import Run
 
     def forbidden(self):
         raise AssertionError("report_data loaded every column")
@@ -249,7 +249,7 @@ def test_step_rows_without_a_scale_are_left_out_with_a_warning(tmp_path):
     the run read stays as it was (its warnings are the reader's)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
-    from ampdoctor.run import read_run
+    from ampdoctor.read.run import read_run
 
     path = tmp_path / "run.parquet"
     train_recorded(path, steps=6)

@@ -7,13 +7,13 @@ import math
 import numpy as np
 import torch
 
-from ampdoctor.formats import FLOAT16
-from ampdoctor.hooks import ModuleCall
-from ampdoctor.light_taps import LightTaps
-from ampdoctor.records import (FlightRecord, GroupRecord, ParamCheck, ParamRecord, StepRecord,
+from ampdoctor.float_formats import FLOAT16
+from ampdoctor.record.hooks import ModuleCall
+from ampdoctor.record.light_taps import LightTaps
+from ampdoctor.record.records import (FlightRecord, GroupRecord, ParamCheck, ParamRecord, StepRecord,
                                TapObservation, pack_scalars, read_scalars)
-from ampdoctor.rows import materialize
-from ampdoctor.schema import HIST_BINS, run_schema
+from ampdoctor.record.rows import materialize
+from ampdoctor.run_file.schema import HIST_BINS, run_schema
 from ampdoctor.stats import full_stats, light_stats
 
 SCHEMA_COLUMNS = set(run_schema({}).names)

@@ -13,8 +13,8 @@ import torch
 
 import ampdoctor
 from ampdoctor.errors import RunError
-from ampdoctor.run import describe, read_run
-from ampdoctor.schema import COLUMNS, META_SCHEMA_VERSION
+from ampdoctor.read.run import describe, read_run
+from ampdoctor.run_file.schema import COLUMNS, META_SCHEMA_VERSION
 from models import MLP, batches, mse
 
 
@@ -155,7 +155,7 @@ def test_a_new_run_on_a_reused_path_is_kept_apart(run_path):
 
     from click.testing import CliRunner
 
-    from ampdoctor.cli import main
+    from ampdoctor.cli.commands import main
     from ampdoctor.analysis.report import report_data
 
     record(run_path, steps=6, init_scale=2.0**24)  # skips its first steps
@@ -253,7 +253,7 @@ def test_ranks_that_cannot_share_a_run_id_are_warned_about(run_path, monkeypatch
 
 def _segment_file(path, metadata, steps=(3, 4, 5), version=2):
     """A hand-written segment of step rows, with ``metadata`` (strings) in its footer."""
-    from ampdoctor.run import empty_table
+    from ampdoctor.read.run import empty_table
 
     empty = empty_table()
     columns = {name: pa.array([None] * len(steps), empty.schema.field(name).type) for name in empty.column_names}
@@ -273,8 +273,8 @@ def _segment_file(path, metadata, steps=(3, 4, 5), version=2):
 
 
 def test_a_segment_is_read_from_its_footer_and_its_bad_metadata_ignored(tmp_path):
-    from ampdoctor.schema import META_AMP_DTYPE, META_GROWTH_INTERVAL, META_HIST_BINS, META_INIT_SCALE
-    from ampdoctor.segment import read_segment
+    from ampdoctor.run_file.schema import META_AMP_DTYPE, META_GROWTH_INTERVAL, META_HIST_BINS, META_INIT_SCALE
+    from ampdoctor.read.segment import read_segment
 
     bad = {META_INIT_SCALE: "-1", META_GROWTH_INTERVAL: "2000", META_AMP_DTYPE: "float8", META_HIST_BINS: "32"}
     path = _segment_file(tmp_path / "part.parquet", bad)
@@ -293,7 +293,7 @@ def test_a_segment_is_read_from_its_footer_and_its_bad_metadata_ignored(tmp_path
 
 
 def test_a_damaged_segment_is_a_run_error_alone_and_skippable_in_a_directory(tmp_path):
-    from ampdoctor.segment import BadSegment, ForeignParquet, read_segment
+    from ampdoctor.read.segment import BadSegment, ForeignParquet, read_segment
 
     path = _segment_file(tmp_path / "part.parquet", {})
     path.write_bytes(path.read_bytes()[:-10])

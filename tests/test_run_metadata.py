@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.schema import META_KEYS, META_LEVEL, META_MODULE_TYPES, META_SCALER_CLASS, SCALER_META
+from ampdoctor.run_file.schema import META_KEYS, META_LEVEL, META_MODULE_TYPES, META_SCALER_CLASS, SCALER_META
 from models import MLP, batches, mse
 
 
@@ -105,7 +105,7 @@ def test_module_types_skip_wrapper_levels(tmp_path):
 
 
 def test_module_types_absent_without_model_and_capped(tmp_path):
-    from ampdoctor.run_metadata import MAX_MODULE_TYPES, module_types
+    from ampdoctor.record.run_metadata import MAX_MODULE_TYPES, module_types
 
     torch.manual_seed(0)
     model = _Stack()

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampdoctor
-from ampdoctor.run import read_run
-from ampdoctor.schema import META_GROWTH_FACTOR
+from ampdoctor.read.run import read_run
+from ampdoctor.run_file.schema import META_GROWTH_FACTOR
 from models import MLP, SparseEmbeddingModel, TwoHeads, batches, mse
 
 STEPS = 12
@@ -116,7 +116,7 @@ def train(case: str, make_scaler: Callable, *, dtype=torch.float16, mid_run: Cal
         scaler.update()
         for o in setup.optimizers:
             o.zero_grad(set_to_none=True)
-    if isinstance(scaler, ampdoctor.scaler._Recording):
+    if isinstance(scaler, ampdoctor.record.scaler._Recording):
         scaler.close()
     tracker = scaler._get_growth_tracker() if scaler.is_enabled() else 0
     return Outcome([p.detach().clone() for p in setup.model.parameters()], scaler.get_scale(), tracker,
@@ -214,7 +214,7 @@ def test_state_dict_round_trip_mid_run(run_path):
             if i != 5:
                 return scaler
             state = scaler.state_dict()
-            if isinstance(scaler, ampdoctor.scaler._Recording):
+            if isinstance(scaler, ampdoctor.record.scaler._Recording):
                 scaler.close()
             fresh = factory(model)
             fresh.load_state_dict(state)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ampdoctor.formats import BFLOAT16, FLOAT16, FLOAT32, float_format
+from ampdoctor.float_formats import BFLOAT16, FLOAT16, FLOAT32, float_format
 from ampdoctor.stats import ALGORITHMS, FULL_ALGORITHMS, HostStats, SlotLayouts, full_stats, light_stats, tensor_peaks
 from ampdoctor.stats import full as full_module, light as light_module
 from ampdoctor.stats.full import SLOT_STRIDE

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ampdoctor.formats import BFLOAT16, FLOAT16
+from ampdoctor.float_formats import BFLOAT16, FLOAT16
 from ampdoctor.stats import HostStats, algorithm_for, full_stats
 from ampdoctor.stats import algorithms as algorithms_module, full as full_module
 
@@ -301,7 +301,7 @@ def test_a_module_sampled_step_with_the_triton_algorithm_copies_its_statistics_a
     (interpreted, on CPU tensors) and with the host one: the same rows; and the triton run copies
     a step's module statistics, whatever their number, with one copy."""
     import ampdoctor
-    from ampdoctor import recorder as recorder_module
+    from ampdoctor.record import recorder as recorder_module
 
     gen = torch.Generator().manual_seed(5)
     x, y = torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)

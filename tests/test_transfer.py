@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from ampdoctor import transfer
-from ampdoctor.transfer import Fence, HostCopies
+from ampdoctor.record import transfer
+from ampdoctor.record.transfer import Fence, HostCopies
 
 
 class Event:
@@ -92,7 +92,7 @@ def test_a_backend_without_events_copies_synchronously():
     """Issue 17, item 10: on a backend with no events (mps), records counted as ready before
     their copies landed; now the copy is synchronous, and that is said once."""
     copies = HostCopies()
-    with FakeTensorMode() as mode, mock.patch("ampdoctor.transfer.has_events", return_value=False):
+    with FakeTensorMode() as mode, mock.patch("ampdoctor.record.transfer.has_events", return_value=False):
         t = FakeTensor(mode, torch.empty(3, device="meta"), torch.device("mps"))
         with pytest.warns(RuntimeWarning, match="no events"):
             out = copies.to_host(t)

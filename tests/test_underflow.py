@@ -153,7 +153,7 @@ def test_between_samples_the_drift_is_counted_once():
     import pandas as pd
 
     from ampdoctor.analysis.steps import StepSeries, attach_param_lost
-    from ampdoctor.formats import FLOAT16
+    from ampdoctor.float_formats import FLOAT16
 
     bins, min_exp = 64, -56
     hist = np.zeros(bins)

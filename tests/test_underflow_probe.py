@@ -1,5 +1,5 @@
 """Measured underflow (issue 27): the float32 shadow of the backward on measured steps
-(ampdoctor/underflow_probe.py), checked against ground truth measured here independently: an fp32
+(ampdoctor/record/underflow_probe.py), checked against ground truth measured here independently: an fp32
 and a float64 backward of the same batch on the same weights (tests/architectures.py), for parameter
 gradients and module output gradients of third-party architectures; and training bit for bit the
 same with it (gradient accumulation, activation checkpointing both ways, another dispatch mode)."""
@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampdoctor
 import architectures as A
-from ampdoctor.underflow_probe import UNMEASURED, ShadowBackward
+from ampdoctor.record.underflow_probe import UNMEASURED, ShadowBackward
 from models import DeepNet, batches, checkpointed, mse
 
 
@@ -277,7 +277,7 @@ def test_running_out_of_memory_drops_the_shadows_not_the_training(tmp_path, monk
     """A real op that runs out of memory while shadows are held (here: raised once by the test,
     as the allocator would) runs again after the shadows are freed: training goes on bit for bit,
     the step is unmeasured, one warning, and no later step is measured."""
-    from ampdoctor import underflow_probe
+    from ampdoctor.record import underflow_probe
 
     real_call = underflow_probe.ShadowBackward._call
     failed = []
@@ -372,7 +372,7 @@ def test_a_freed_collective_buffer_s_address_is_not_held_against_a_new_tensor(mo
     """Storage addresses are reused once freed (the caching allocator does it all the time): a
     collective's storage taints what reads it only while one of its tensors lives. Address reuse
     is simulated by one address for every tensor."""
-    from ampdoctor import underflow_probe
+    from ampdoctor.record import underflow_probe
 
     monkeypatch.setattr(underflow_probe, "_storage", lambda t: 4096 if isinstance(t, torch.Tensor) else None)
     probe = ShadowBackward()
@@ -391,7 +391,7 @@ def test_a_recorder_failure_or_a_dropped_scaler_never_leaves_the_mode_behind(tmp
     scaler leaves it before measuring."""
     import gc
 
-    from ampdoctor.recorder import Recorder
+    from ampdoctor.record.recorder import Recorder
 
     m = DeepNet()
     x, y = batches(1, batch=4)[0]

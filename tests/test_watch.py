@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import ampdoctor
-from ampdoctor.cli import main
+from ampdoctor.cli.commands import main
 from models import MLP, batches, mse
 
 TESTS = Path(__file__).parent
@@ -49,7 +49,7 @@ def _slow_recorder(path: Path, steps: int = STEPS, pause: float = 0.4) -> str:
 _WATCH = textwrap.dedent("""
     import atexit, sys
     atexit.register(lambda: print("torch imported: %s" % ("torch" in sys.modules), file=sys.stderr))
-    from ampdoctor.cli import main
+    from ampdoctor.cli.commands import main
     main(sys.argv[1:], prog_name="ampdoctor")
 """)
 

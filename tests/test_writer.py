@@ -19,7 +19,7 @@ import torch
 
 import ampdoctor
 from ampdoctor.errors import RecorderError
-from ampdoctor.run import read_run
+from ampdoctor.read.run import read_run
 from models import MLP, batches, mse
 
 TESTS = Path(__file__).parent
@@ -76,7 +76,7 @@ def test_sigkill_loses_at_most_the_unflushed_steps(tmp_path, run_path):
     assert 20 <= len(steps) <= 35 and len(steps) % 5 == 0
     run = read_run(run_path)
     assert not run.ended_cleanly
-    from ampdoctor.cli import main
+    from ampdoctor.cli.commands import main
     from click.testing import CliRunner
     result = CliRunner().invoke(main, ["info", str(run_path)])
     assert result.exit_code == 0, result.output
@@ -184,7 +184,7 @@ def test_strict_raises_when_the_disk_fills(run_path, monkeypatch):
 
 
 def test_bug_in_the_recorder_warns_once_and_training_goes_on(run_path, monkeypatch):
-    from ampdoctor import recorder
+    from ampdoctor.record import recorder
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug of ours")
@@ -260,7 +260,7 @@ def test_a_stalled_disk_never_holds_a_step(run_path, hung_disk, monkeypatch):
     drops records instead of waiting, warns once, and says in the run how many steps it lost.
     Skipped steps wait for the writer at most once per stall (the sync bound), and close() is
     bounded too."""
-    from ampdoctor import writer
+    from ampdoctor.record import writer
     monkeypatch.setattr(writer, "SYNC_TIMEOUT", 0.5)
     monkeypatch.setattr(writer, "CLOSE_TIMEOUT", 0.5)
     torch.manual_seed(0)
@@ -290,8 +290,8 @@ def test_close_returns_within_its_timeout_while_a_write_hangs(tmp_path):
     run once the disk comes back."""
     import pyarrow.parquet as pq
 
-    from ampdoctor import writer
-    from ampdoctor.schema import HIST_BINS, META_FINAL
+    from ampdoctor.record import writer
+    from ampdoctor.run_file.schema import HIST_BINS, META_FINAL
 
     release, taken = threading.Event(), threading.Event()
 
@@ -353,7 +353,7 @@ def test_dropped_steps_are_written_into_the_run_and_reported(run_path, monkeypat
 def test_a_dead_writer_thread_is_noticed_at_the_next_step(run_path, monkeypatch):
     """The worker thread dies outside its guarded actions: the next step notices, warns once and
     stops recording; no step waits for it."""
-    from ampdoctor import writer
+    from ampdoctor.record import writer
 
     monkeypatch.setattr(writer.RunWriter, "_work", lambda self: None)  # the thread ends at once
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 carry a sampled step's figures to the steps between samples.
 
 **Why.** At the default cadence one sampled step in ten is measured (a float32 shadow of its
-backward: :mod:`ampdoctor.underflow_probe`); the others have only zeros, zero lines, subnormals
+backward: :mod:`ampdoctor.record.underflow_probe`); the others have only zeros, zero lines, subnormals
 and a binade histogram, from which :func:`~ampdoctor.analysis.underflow.underflow_bounds` cannot
 tell structure (an unused embedding row, a dead unit) from underflow where the cut-off lies in the
 bulk of the magnitudes. A measured step can: tensor by tensor its zeros split into

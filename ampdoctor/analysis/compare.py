@@ -36,7 +36,7 @@ import os
 import numpy as np
 
 from ..errors import RunError
-from ..run import Run, read_run
+from ..read.run import Run, read_run
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .replay import actual_outcome

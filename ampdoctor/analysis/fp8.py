@@ -24,7 +24,7 @@ one).
 The core works on a DataFrame of GEMM rows and the run's metadata (:func:`frame_data`,
 :func:`frame_predictions`), so it is testable without recording; :func:`fp8_data` and
 :func:`predictions` read a run. No torch is imported: reading a run needs none (the bins:
-:mod:`ampdoctor.fine_bins`). The work is vectorised over every pass: windowed maxima come from a sparse table
+:mod:`ampdoctor.run_file.fine_bins`). The work is vectorised over every pass: windowed maxima come from a sparse table
 (O(N log n) over N passes, never O(N L)), the shares only on sampled passes.
 """
 
@@ -38,10 +38,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import RunError
-from ..fine_bins import EDGES, NAN_ONLY_BIN, bin_of, below, count_below  # noqa: F401 - count_below: re-exported
-from ..formats import FLOAT8_E4M3FN, FLOAT8_E5M2, FloatFormat
-from ..run import Run, read_run, to_frame
-from ..schema import (FINE_BINS, GEMM_KINDS, meta_names, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL, META_RUN_ID,
+from ..run_file.fine_bins import EDGES, NAN_ONLY_BIN, bin_of, below, count_below  # noqa: F401 - count_below: re-exported
+from ..float_formats import FLOAT8_E4M3FN, FLOAT8_E5M2, FloatFormat
+from ..read.run import Run, read_run, to_frame
+from ..run_file.schema import (FINE_BINS, GEMM_KINDS, meta_names, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL, META_RUN_ID,
                       ROOT_NAME)
 
 HISTORIES = (1, 16, 1024)       # delayed scaling's histories: 1, torchao's old 16, TransformerEngine's 1024
@@ -363,7 +363,7 @@ class _Windows:
 # -- the shares on sampled passes -----------------------------------------------------------------------
 
 def _below_amax(hist: np.ndarray, cum: np.ndarray, threshold: np.ndarray, amax: np.ndarray) -> np.ndarray:
-    """:func:`~ampdoctor.fine_bins.count_below`, knowing that no element exceeds the pass's finite amax: the bin that holds
+    """:func:`~ampdoctor.run_file.fine_bins.count_below`, knowing that no element exceeds the pass's finite amax: the bin that holds
     it spreads its count over [its lower edge, amax] instead of its whole width (so a threshold
     at or above the amax has every element below it, and current scaling saturates nothing)."""
     lower = below(hist, cum, threshold)

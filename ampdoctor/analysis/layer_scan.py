@@ -11,7 +11,7 @@ output gradient whose values all sit on the AMP format's grid (an fp16 gradient 
 on its way into a LayerNorm) in the AMP format.
 
 * ``underflow_rate``: elements lost to underflow over elements observed: measured on measured
-  steps (:mod:`ampdoctor.underflow_probe`), else estimated (see :mod:`ampdoctor.analysis.underflow`
+  steps (:mod:`ampdoctor.record.underflow_probe`), else estimated (see :mod:`ampdoctor.analysis.underflow`
   for the definition and the estimate); ``underflow_measured``: the share of those elements whose
   underflow was measured;
 * ``zero_rate``, ``subnormal_rate``: recorded zeros and subnormals over elements observed;
@@ -30,9 +30,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..formats import FloatFormat, float_format
-from ..hist_column import hist_matrix
-from ..run import Run, empty_table, kind_mask
+from ..float_formats import FloatFormat, float_format
+from ..run_file.hist_column import hist_matrix
+from ..read.run import Run, empty_table, kind_mask
 from .calibration import Measurements, Samples, Tails, calibrated, calibrated_low, keys, lost_below, still_lost
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
 

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pandas as pd
 
-from ..run import Run
-from ..schema import META_MODULE_TYPES, meta_names
+from ..read.run import Run
+from ..run_file.schema import META_MODULE_TYPES, meta_names
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .run_analysis import analyse

@@ -11,7 +11,7 @@
   tensor as an argument, or, when only P's enclosing module's own code used it, that enclosing
   module. A consumer that received it only through untapped code that computes (an autograd
   Function called inline, ``x * s``; not a view, a reshape, ``x + y`` or a ReLU:
-  :data:`ampdoctor.call_graph.PASSES`) is not named alone: that code's backward may have made
+  :data:`ampdoctor.record.call_graph.PASSES`) is not named alone: that code's backward may have made
   the value, and it ran in an enclosing call, which is named instead (the innermost call
   enclosing the consumer that encloses P or received P's output unchanged); the record cannot
   tell the two apart, and that call contains both. A non-finite parameter gradient whose
@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import MODULE_KINDS, ROOT_NAME
-from ..run import Run, to_frame
+from ..run_file.schema import MODULE_KINDS, ROOT_NAME
+from ..read.run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
 

@@ -15,8 +15,8 @@ import os
 import numpy as np
 import pandas as pd
 
-from ..run import Run, to_frame
-from ..schema import MODULE_KINDS
+from ..read.run import Run, to_frame
+from ..run_file.schema import MODULE_KINDS
 from .contract_fields import finite_or_none, float_or_nonfinite
 from .findings import Finding
 from .nonfinite_cause import classify

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..schema import ROOT_NAME
+from ..run_file.schema import ROOT_NAME
 from .contract_fields import underflow_fields
 from .findings import Finding
 from .replay import Outcome, Replay, replay, drift_share

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..formats import FLOAT16, FloatFormat
+from ..float_formats import FLOAT16, FloatFormat
 from .contract_fields import underflow_fields
 from .findings import Finding
 from .scaler_config import FLOAT32_MAX, ScalerConfig

@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..run import Run
-from ..schema import SCALER_META, META_DEVICE, META_SCALER_CLASS, meta_number
+from ..read.run import Run
+from ..run_file.schema import SCALER_META, META_DEVICE, META_SCALER_CLASS, meta_number
 from .findings import Finding
 from .layers import layer_records, module_type, module_types, sort_layers
 from .origins import origin_counts

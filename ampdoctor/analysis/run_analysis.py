@@ -15,9 +15,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..formats import FLOAT16, FloatFormat, float_format
-from ..run import Run, read_run
-from ..schema import (HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE, META_DEVICE, META_HIST_BINS, META_HIST_MIN_EXP,
+from ..float_formats import FLOAT16, FloatFormat, float_format
+from ..read.run import Run, read_run
+from ..run_file.schema import (HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE, META_DEVICE, META_HIST_BINS, META_HIST_MIN_EXP,
                       META_LEVEL, META_SCALER_ENABLED, MODULE_KINDS, meta_number)
 from .findings import Finding
 from .layer_scan import LayerScan, scan_layers

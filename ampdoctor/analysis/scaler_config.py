@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..schema import (META_BACKOFF_FACTOR, META_GROWTH_FACTOR, META_GROWTH_INTERVAL, META_INIT_SCALE, SCALER_META,
+from ..run_file.schema import (META_BACKOFF_FACTOR, META_GROWTH_FACTOR, META_GROWTH_INTERVAL, META_INIT_SCALE, SCALER_META,
                       meta_number)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)

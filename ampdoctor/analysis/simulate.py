@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 
 from ..errors import RunError
-from ..hist_column import hist_matrix
-from ..run import Run
-from ..schema import HIST_BINS
+from ..run_file.hist_column import hist_matrix
+from ..read.run import Run
+from ..run_file.schema import HIST_BINS
 from .contract_fields import underflow_fields
 from .replay import Outcome, actual_outcome, replay
 from .run_analysis import Analysis, analyse

@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..formats import FloatFormat
-from ..hist_column import hist_matrix
+from ..float_formats import FloatFormat
+from ..run_file.hist_column import hist_matrix
 from .origins import nonfinite_rows
 from .underflow import UnderflowModel, underflow_bounds
 

@@ -33,9 +33,9 @@ import pyarrow as pa
 
 from ..analysis.layer_scan import LAYER_COLUMNS, LAYER_KINDS, scan_step_rows
 from ..analysis.run_analysis import recorded_binning
-from ..formats import FloatFormat
-from ..hist_column import hist_matrix
-from ..run import Run
+from ..float_formats import FloatFormat
+from ..run_file.hist_column import hist_matrix
+from ..read.run import Run
 
 STEP_TAGS = ("steps/scale", "steps/skipped", "steps/skipped_total", "steps/loss", "steps/grad_norm")
 UNDERFLOW_MIN, UNDERFLOW_MAX = "underflow_min", "underflow_max"

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 from ..errors import AmpdoctorError
-from ..run import Run, read_run
-from ..schema import META_RUN_ID
+from ..read.run import Run, read_run
+from ..run_file.schema import META_RUN_ID
 from .series import layer_points, layout, step_scalars
 
 INSTALL_HINT = 'pip install "ampdoctor[tensorboard]"'

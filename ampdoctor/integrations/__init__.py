@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..options import RecordOptions
-from ..scaler import unwrap, wrap
+from ..record.options import RecordOptions
+from ..record.scaler import unwrap, wrap
 
 __all__ = ["require", "CallbackRun"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..scaler import wrap
+from ..record.scaler import wrap
 from . import require
 
 _accelerate = require("accelerate", "accelerate")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..schema import SCALER_META
+from ..run_file.schema import SCALER_META
 from .formatting import MISSING, number_or_word, scale_str, setting, underflow
 
 LAYER_ROWS = 50  # layers in a report's table (the worst first); `ampdoctor layers` lists them all

@@ -26,7 +26,7 @@ def _size(n: int) -> str:
 
 
 def info_text(info: dict) -> str:
-    """``ampdoctor info`` as text, from :func:`ampdoctor.run.describe`'s data."""
+    """``ampdoctor info`` as text, from :func:`ampdoctor.read.run.describe`'s data."""
     sc = info["scaler"]
     steps = info["steps"]
     span = f" (steps {info['first_step']}..{info['last_step']})" if steps else ""

@@ -1,5 +1,5 @@
 """What ``ampdoctor watch`` prints: one line per poll that found new steps, the end of the run,
-and its waiting and timeout messages, from :class:`~ampdoctor.watch.Progress` (text) or its
+and its waiting and timeout messages, from :class:`~ampdoctor.read.watch.Progress` (text) or its
 dict (one JSON object per line)."""
 
 from __future__ import annotations

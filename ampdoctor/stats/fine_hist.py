@@ -1,5 +1,5 @@
 """The fine histogram of a GEMM operand on the device: eight bins per binade, what FP8 readiness
-needs (docs/numerics.md, FP8 readiness); its bins, for readers: :mod:`ampdoctor.fine_bins`.
+needs (docs/numerics.md, FP8 readiness); its bins, for readers: :mod:`ampdoctor.run_file.fine_bins`.
 
 The binade histogram of the other rows (``hist``) places a threshold only to within a factor of
 two; an FP8 cast's flush threshold (the format's half-subnormal over a scale made from an amax)
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..fine_bins import FINE_SHIFT
-from ..schema import FINE_BINS
+from ..run_file.fine_bins import FINE_SHIFT
+from ..run_file.schema import FINE_BINS
 
 CHUNK = 1 << 24            # elements per pass: bounds the temporaries (float32 and int32 copies, 64 MiB each; the
                            # accelerators' sort adds its int32 values and int64 indices, 192 MiB, and its scratch)

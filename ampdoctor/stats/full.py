@@ -37,7 +37,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ..schema import HIST_BINS, HIST_MIN_EXP
+from ..run_file.schema import HIST_BINS, HIST_MIN_EXP
 from .algorithms import choose_algorithm, rescaled_norm
 from .packed import arrays as packed_arrays
 from .host_stats import HostStats, to_float32
@@ -86,7 +86,7 @@ class FullStats:
 
     def to_host(self, copy) -> "FullStats":
         """The same statistics, each tensor passed through ``copy`` (a
-        :meth:`ampdoctor.transfer.HostCopies.to_host`): one copy when packed, else five.
+        :meth:`ampdoctor.record.transfer.HostCopies.to_host`): one copy when packed, else five.
         :func:`stats_to_host` copies many at once."""
         if self.packed is not None:
             return FullStats.of_packed(copy(self.packed), self.n_slots, self.hist_min_exp, self.bins, self.packed_at)

@@ -1,7 +1,7 @@
 """Light statistics (:func:`light_stats`, every step): per tensor its peak magnitude and its L2
 norm, unscaled; and the peaks alone, of parameters (:func:`tensor_peaks`, the parameter check)
 and of module taps (:func:`extremes`, combined at the step's end by
-:class:`ampdoctor.light_taps.LightTaps`).
+:class:`ampdoctor.record.light_taps.LightTaps`).
 
 A tensor's *peak* is its ``max |x|``: NaN if it held a NaN, else inf if it held an inf, so peaks
 also see every non-finite value; 0 for an empty tensor (a rank that holds no shard). A handful of
@@ -44,7 +44,7 @@ class LightStats:
 
     def to_host(self, copy) -> "LightStats":
         """The same statistics, each tensor passed through ``copy`` (a
-        :meth:`ampdoctor.transfer.HostCopies.to_host`)."""
+        :meth:`ampdoctor.record.transfer.HostCopies.to_host`)."""
         return LightStats(copy(self.peaks), copy(self.norms))
 
     def decode(self) -> HostStats:

@@ -52,4 +52,4 @@ def codes() -> frozenset[str]:
 
 
 # Each module registers its sentences when imported.
-from . import compare, postmortem, report  # noqa: E402,F401
+from . import compare, postmortem, report  # noqa: E402, F401

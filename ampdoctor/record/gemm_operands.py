@@ -9,15 +9,15 @@ what predicts them is each operand's amax at *every* pass (the history, and whet
 amax exceeded it) and, on module-sampled steps, its distribution finely enough to place a flush
 threshold (:mod:`ampdoctor.stats.fine_hist`).
 
-Per step, from the module taps (:mod:`ampdoctor.hooks`): at each training call of a GEMM layer (its
+Per step, from the module taps (:mod:`ampdoctor.record.hooks`): at each training call of a GEMM layer (its
 forward pre-hook, grad enabled) its input and, at its first call in the step (training or not), its
 weight, as the forward is about to use them (after the optimizer step; under FSDP the unsharded weight, which is
 only materialised then); and each call's output gradient (the tap's own gradient hook hands it on).
-One ``(min, max)`` each, through a :class:`~ampdoctor.light_taps.LightTaps` of their own that shares
+One ``(min, max)`` each, through a :class:`~ampdoctor.record.light_taps.LightTaps` of their own that shares
 the flight recorder's repeat check: an input that is the previous tapped output, and a gradient the
 flight recorder has just reduced, cost no kernel. Module-sampled steps add a fine histogram of each
 (at most :data:`MAX_FINE_HISTS` a step). Nothing here syncs; the peaks ride the step's copy to the
-host (:mod:`ampdoctor.records`).
+host (:mod:`ampdoctor.record.records`).
 
 Limits: inputs are the first positional argument (or ``input=``/``x=``; float8 and sparse ones are
 not observed); inputs of a forward that began under ``torch.no_grad()`` (a validation pass: grad mode
@@ -40,7 +40,7 @@ from torch.nn.utils import parametrize
 from .call_graph import ModuleCall
 from .light_taps import LightTaps, Repeat
 from .records import GemmRecord
-from .stats.fine_hist import fine_hist
+from ..stats.fine_hist import fine_hist
 
 INPUT, WEIGHT, GRAD = "gemm_input", "gemm_weight", "gemm_grad_output"  # schema.GEMM_KINDS
 MAX_FINE_HISTS = 4096  # fine histograms kept per step (16 KiB each on the device: 64 MiB at most)

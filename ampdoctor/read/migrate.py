@@ -19,9 +19,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import RunError, one_line
-from .hist_column import BadHistogram, as_hist_column
-from .schema import META_SCHEMA_VERSION, SCHEMA_VERSION
+from ..errors import RunError, one_line
+from ..run_file.hist_column import BadHistogram, as_hist_column
+from ..run_file.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
 from .segment import BadSegment, ForeignParquet, is_finished_segment, read_segment
 
 

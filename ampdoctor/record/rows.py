@@ -1,6 +1,6 @@
 """Rows of the run file from the records the training thread queued: the writer thread's side.
 
-Each record becomes blocks of columns (every column of :func:`ampdoctor.schema.run_schema`): a
+Each record becomes blocks of columns (every column of :func:`ampdoctor.run_file.schema.run_schema`): a
 step row, a row per observed gradient, per module observation and per parameter check; or a
 flight record's light rows (only ``amax``, the peak).
 """
@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .call_graph import through_untapped
-from .formats import float_format
+from ..float_formats import float_format
 from .light_taps import observations
 from .records import (FlightRecord, FlightStep, GemmRecord, ParamCheck, ParamRecord, StepRecord, StepScalars,
                       TapObservation, read_scalars)
-from .schema import GEMM_KINDS
-from .stats import HostStats
+from ..run_file.schema import GEMM_KINDS
+from ..stats import HostStats
 
 Block = tuple[dict[str, np.ndarray], int]  # every column of the schema, and its number of rows
 

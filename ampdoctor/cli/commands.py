@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from .run import Run
+    from ..read.run import Run
 
-from . import __version__
+from ..version import __version__
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
-from .dependencies import check as check_dependencies, failed_import, import_problem
-from .errors import AmpdoctorError, one_line
+from ..dependencies import check as check_dependencies, failed_import, import_problem
+from ..errors import AmpdoctorError, one_line
 
 
 class CliError(click.ClickException):
@@ -92,12 +92,12 @@ def output_format(*choices: str):
 
 def run_argument(fn):
     """The RUN path argument and the ``--run ID`` option, handed to the command as one read
-    :class:`~ampdoctor.run.Run` (a directory may hold several runs; the latest by default)."""
+    :class:`~ampdoctor.read.run.Run` (a directory may hold several runs; the latest by default)."""
 
     @functools.wraps(fn)
     @library_errors
     def with_run(*, run: str, run_id: str | None, **kwargs):
-        from .run import read_run
+        from ..read.run import read_run
         return fn(run=read_run(run, run_id), **kwargs)
 
     with_run = click.option("--run", "run_id", metavar="ID", default=None,
@@ -121,8 +121,8 @@ def main(ctx: click.Context, traceback: bool) -> None:
 @library_errors
 def info(run: Run, fmt: str) -> None:
     """Summarise a run: steps, ranks, tensors, schema, size, clean end."""
-    from .render.text import info_text
-    from .run import describe
+    from ..render.text import info_text
+    from ..read.run import describe
 
     data = describe(run)
     click.echo(json.dumps(data, indent=2) if fmt == "json" else info_text(data))
@@ -134,8 +134,8 @@ def info(run: Run, fmt: str) -> None:
 def migrate(run: str) -> None:
     """Rewrite a run's segments of run schema version 1 in the current version, in place, so that
     every supported pyarrow reads them (reading version 1 needs pyarrow >= 26)."""
-    from .migrate import migrate_run
-    from .schema import SCHEMA_VERSION
+    from ..read.migrate import migrate_run
+    from ..run_file.schema import SCHEMA_VERSION
 
     done = migrate_run(run)
     click.echo(f"Converted {len(done.converted)} segment(s) of {run} to run schema version {SCHEMA_VERSION}; "
@@ -175,8 +175,8 @@ def _color() -> bool:
 def report(run: Run, fmt: str, top: int, output: str | None) -> None:
     """What happened to the loss scale, which layers underflow or lack headroom, where overflows
     came from, and which GradScaler settings to use instead."""
-    from . import render
-    from .analysis.report import report_data
+    from .. import render
+    from ..analysis.report import report_data
 
     _emit(render.report(report_data(run), fmt, color=output is None and _color(), top=top), output)
 
@@ -207,8 +207,8 @@ def report(run: Run, fmt: str, top: int, output: str | None) -> None:
 def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
     """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
     underflow, next to what the run actually did."""
-    from . import render
-    from .analysis.simulate import simulate_data
+    from .. import render
+    from ..analysis.simulate import simulate_data
 
     try:
         data = simulate_data(run, **settings)
@@ -227,8 +227,8 @@ def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
 @library_errors
 def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -> None:
     """The per-layer table: underflow, zero and subnormal rates, headroom, amax and amin."""
-    from . import render
-    from .analysis.layers import layers_data
+    from .. import render
+    from ..analysis.layers import layers_data
 
     _emit(render.layers(layers_data(run, sort, top), fmt), output)
 
@@ -241,8 +241,8 @@ def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -
 def postmortem(run: Run, fmt: str, output: str | None) -> None:
     """Why the loss (or the parameters) went non-finite: the first event, its cause and origin,
     the steps that led there, and what to change. Exit 0 either way; `status` says which."""
-    from . import render
-    from .analysis.postmortem import postmortem_data
+    from .. import render
+    from ..analysis.postmortem import postmortem_data
 
     _emit(render.postmortem(postmortem_data(run), fmt, color=output is None and _color()), output)
 
@@ -262,8 +262,8 @@ def fp8(run: Run, fmt: str, flush_limit: float, top: int, output: str | None) ->
     """FP8 readiness: which GEMM layers (Linear) can train in FP8 with TransformerEngine or torchao,
     which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling.
     Needs a run recorded with level='full' and model=."""
-    from .analysis.fp8 import fp8_data
-    from .render.fp8 import render_fp8
+    from ..analysis.fp8 import fp8_data
+    from ..render.fp8 import render_fp8
 
     _emit(render_fp8(fp8_data(run, flush_limit=flush_limit), fmt, color=output is None and _color(), top=top), output)
 
@@ -284,9 +284,9 @@ def compare(run_a: str, run_b: str, run_id_a: str | None, run_id_b: str | None, 
             output: str | None) -> None:
     """Two runs side by side: skipped steps, loss scale, underflow, per-layer changes, and, when RUN_B
     used the settings RUN_A's report recommended, whether its prediction held."""
-    from . import render
-    from .analysis.compare import compare_data
-    from .run import read_run
+    from .. import render
+    from ..analysis.compare import compare_data
+    from ..read.run import read_run
 
     runs = read_run(run_a, run_id_a), read_run(run_b, run_id_b)  # both paths checked before any analysis
     _emit(render.comparison(compare_data(*runs), fmt, color=output is None and _color(), top=top), output)
@@ -304,7 +304,7 @@ def export(run: Run, logdir: str, fmt: str) -> None:
     the binade histograms and underflow rates of the sampled steps. Needs the tensorboard extra."""
     import shlex
 
-    from .export.tensorboard import export_tensorboard
+    from ..export.tensorboard import export_tensorboard
 
     written = export_tensorboard(run, logdir)
     if fmt == "json":
@@ -338,8 +338,8 @@ def watch(run: str, run_id: str | None, interval: float, timeout: float | None, 
     """Follow a run while another process writes it: a line per poll with new steps (latest step,
     scale, skipped steps so far, loss, anomalous steps); exit 0 once every writer has closed the run.
     Waits for a run that does not exist yet."""
-    from .render import watch as lines
-    from .watch import TimedOut, follow
+    from ..render import watch as lines
+    from ..read.watch import TimedOut, follow
 
     first, said_waiting = True, False
     try:
@@ -404,7 +404,7 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
                 **{k: v for k, v in overrides.items() if v is not None}}
     click.echo(f"Scenario {scenario}: {SCENARIOS[scenario].description}.")
     if settings:
-        from .render.formatting import setting
+        from ..render.formatting import setting
         given = ", ".join(f"{k}={setting(k, v)}" for k, v in settings.items())
         click.echo(f"Scaler settings: {given}" + (f" (recommended by {settings_from})" if settings_from else "") + ".")
     total = steps or default_steps(device)
@@ -425,17 +425,17 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
         if settings_from:
             click.echo(f"Check the recommendation with:\n  ampdoctor compare {settings_from} {result.path}")
         return
-    from . import render
+    from .. import render
 
     if explained_by == "postmortem":
-        from .analysis.postmortem import postmortem_data
+        from ..analysis.postmortem import postmortem_data
         text = render.postmortem(postmortem_data(result.path), "text", color=_color())
     elif explained_by == "fp8":
-        from .analysis.fp8 import fp8_data
-        from .render.fp8 import render_fp8
+        from ..analysis.fp8 import fp8_data
+        from ..render.fp8 import render_fp8
         text = render_fp8(fp8_data(result.path), "text", color=_color())
     else:
-        from .analysis.report import report_data
+        from ..analysis.report import report_data
         text = render.report(report_data(result.path), "text", color=_color())
     click.echo(f"Wrote {result.path}.\n")
     click.echo(text)

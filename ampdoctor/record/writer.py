@@ -57,8 +57,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .hist_column import hist_array
-from .schema import FINE_BINS, META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
+from ..run_file.hist_column import hist_array
+from ..run_file.schema import FINE_BINS, META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
 
 _CLOSE = object()   # shutdown sentinel
 EXIT_SECONDS = 5.0    # the one bound: each wait for the writer, and each exit path in all
@@ -457,7 +457,7 @@ class RunWriter:
 
 
 def close_all_writers(*, from_signal: bool = False, timeout: float | None = None, finish: bool = True) -> None:
-    """Close every open writer at exit (interpreter exit, from :mod:`ampdoctor.shutdown`, and
+    """Close every open writer at exit (interpreter exit, from :mod:`ampdoctor.record.shutdown`, and
     SIGTERM), within ``timeout`` (:data:`EXIT_SECONDS`) seconds in all. ``from_signal``: take no
     lock (see :meth:`RunWriter.close_from_signal`); with ``finish=False`` only write what is
     queued and keep recording (the program handles the signal itself and may go on)."""

@@ -4,16 +4,16 @@ The scaler calls, per iteration, ``observe_loss`` (from ``scale``), ``observe_gr
 ``unscale_``/``step``, before torch unscales, so the values are the scaled ones backward produced),
 ``observe_params`` (after ``step``), ``before_update`` and ``after_update``. None of them syncs:
 statistics stay on the device, ``after_update`` starts non-blocking copies into pinned memory,
-seals them with a fence (:mod:`ampdoctor.transfer`) and queues the record
-(:mod:`ampdoctor.records`); the writer thread waits on the fence and builds rows
-(:mod:`ampdoctor.rows`). Every method is guarded: an exception of ours warns once and stops
+seals them with a fence (:mod:`ampdoctor.record.transfer`) and queues the record
+(:mod:`ampdoctor.record.records`); the writer thread waits on the fence and builds rows
+(:mod:`ampdoctor.record.rows`). Every method is guarded: an exception of ours warns once and stops
 recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
 
-The rooms around it: what each step records (:mod:`ampdoctor.plan`), parameters named and grouped
-(:mod:`ampdoctor.parameters`), module taps (:mod:`ampdoctor.hooks`, calling ``observe_tap``),
-anomalies and the flight recorder (:mod:`ampdoctor.anomalies`), the run id and rank
-(:mod:`ampdoctor.run_identity`), the segments' metadata (:mod:`ampdoctor.run_metadata`), the start
-and end log lines (:mod:`ampdoctor.live_status`), and the process's end (:mod:`ampdoctor.shutdown`).
+The rooms around it: what each step records (:mod:`ampdoctor.record.plan`), parameters named and grouped
+(:mod:`ampdoctor.record.parameters`), module taps (:mod:`ampdoctor.record.hooks`, calling ``observe_tap``),
+anomalies and the flight recorder (:mod:`ampdoctor.record.anomalies`), the run id and rank
+(:mod:`ampdoctor.record.run_identity`), the segments' metadata (:mod:`ampdoctor.record.run_metadata`), the start
+and end log lines (:mod:`ampdoctor.record.live_status`), and the process's end (:mod:`ampdoctor.record.shutdown`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 
 from . import shutdown
 from .anomalies import AnomalyWatch
-from .errors import RecorderError
-from .formats import dtype_name, float_format
+from ..errors import RecorderError
+from ..float_formats import dtype_name, float_format
 from .gemm_operands import MAX_FINE_HISTS, GemmOperands, is_gemm
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
 from .light_taps import LightTaps, Repeat
@@ -44,7 +44,7 @@ from .records import GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObserv
 from .rows import materialize
 from .run_identity import env_run_id, rank_and_world, shared_run_id
 from .run_metadata import RunMetadata
-from .stats import SlotLayouts, full_stats, light_stats, stats_to_host, tensor_peaks
+from ..stats import SlotLayouts, full_stats, light_stats, stats_to_host, tensor_peaks
 from .transfer import HostCopies
 from .underflow_probe import ShadowBackward, stack_counts
 from .writer import RunWriter
@@ -197,7 +197,7 @@ class Recorder:
     def close(self, timeout: float | None = None, *, at_exit: bool = False) -> None:
         """Flush and finish the run. Idempotent. Waits for the last anomaly checks (their copies:
         the device's queued work) and then for the writer thread while it makes progress, at most
-        :data:`~ampdoctor.writer.CLOSE_TIMEOUT` (5 s) after its last (``RunWriter.close``); with
+        :data:`~ampdoctor.record.writer.CLOSE_TIMEOUT` (5 s) after its last (``RunWriter.close``); with
         ``timeout``, at most that in all: host-side waits only, after training. ``at_exit``: the interpreter
         is exiting; the final parameter check runs only if this is still its scaler's recorder
         (an abandoned scaler's run must not describe parameters that another scaler went on
@@ -283,7 +283,7 @@ class Recorder:
     @_guarded
     def observe_scaled(self, scaled: torch.Tensor | Iterable) -> None:
         """The scaled loss(es) ``scale()`` returns, whose backward comes next: on a measured step,
-        seed the shadow backward with them and make it active (:mod:`ampdoctor.underflow_probe`).
+        seed the shadow backward with them and make it active (:mod:`ampdoctor.record.underflow_probe`).
         Skipped, with one warning, where it cannot run safely: another dispatch mode is active
         (it would sit above ours and could leave first), the model is compiled, or inside
         ``torch.compile``. No sync."""
@@ -336,7 +336,7 @@ class Recorder:
         """Full statistics of a tensor a module tap saw (``output``, or ``grad_output``: still
         scaled). Called from module and node hooks, per tensor; not guarded, because the hooks
         hand any failure to :meth:`fail` themselves. On light steps the taps call
-        :meth:`LightTaps.add <ampdoctor.light_taps.LightTaps.add>` instead (:meth:`_plan_step`).
+        :meth:`LightTaps.add <ampdoctor.record.light_taps.LightTaps.add>` instead (:meth:`_plan_step`).
         Does not sync."""
         if self._module_stats != "full":
             return
@@ -472,7 +472,7 @@ class Recorder:
 
     @_guarded
     def before_update(self, scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-        """The step's scalars (:func:`~ampdoctor.records.pack_scalars`), taken before ``update()``
+        """The step's scalars (:func:`~ampdoctor.record.records.pack_scalars`), taken before ``update()``
         changes the scale in place. No sync."""
         scale = getattr(scaler, "_scale", None)
         if not scaler.is_enabled() or scale is None:

@@ -21,9 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import RunError, one_line
-from .hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
-from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
+from ..errors import RunError, one_line
+from ..run_file.hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
+from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
                      META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
                      META_UNWRITTEN_AT_EXIT, META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION,
                      meta_number)

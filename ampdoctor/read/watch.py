@@ -22,9 +22,9 @@ from typing import Iterator
 import numpy as np
 import pyarrow.compute as pc
 
-from .errors import RunError
+from ..errors import RunError
 from .run import Run, read_run
-from .schema import META_RUN_ID
+from ..run_file.schema import META_RUN_ID
 
 _COLUMNS = ["step", "rank", "kind", "name", "scale", "skipped", "loss", "amax"]
 

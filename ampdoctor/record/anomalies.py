@@ -4,7 +4,7 @@ An *anomaly* is a skipped step, a non-finite loss or parameter, or the scale fal
 ``scale_floor``. Each step's scalars are checked once their copy has landed (its fence has
 passed: ``query()``, never a wait, except at close); a skip that torch's ``step()`` already saw
 on the host is acted on at once. On an anomaly the flight recorder's steps of the
-``flight_steps`` before it are written out, the next steps are escalated (:mod:`ampdoctor.plan`),
+``flight_steps`` before it are written out, the next steps are escalated (:mod:`ampdoctor.record.plan`),
 and the training thread waits for the writer to put the rows on disk, except inside a run of
 skipped steps.
 """
@@ -27,7 +27,7 @@ from .writer import RunWriter
 @dataclass
 class Seen:
     """What the checks have read so far from the steps' host scalars: the end-of-run summary of
-    :mod:`ampdoctor.live_status`, counted without a device read of its own."""
+    :mod:`ampdoctor.record.live_status`, counted without a device read of its own."""
 
     steps: int = 0             # steps handed to the watch (recorded, or dropped by a full queue)
     checked: int = 0           # of those, the steps whose scalars were read

@@ -1,7 +1,7 @@
 """What one training iteration observed, as it crosses from the training thread to the writer.
 
 Tensors in these records live on the device until the recorder copies them to the host
-(:mod:`ampdoctor.transfer`); the writer reads them only after the record's fence has passed.
+(:mod:`ampdoctor.record.transfer`); the writer reads them only after the record's fence has passed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .call_graph import ModuleCall
-from .stats import FullStats, LightStats
+from ..stats import FullStats, LightStats
 from .transfer import Fence
 
 
@@ -46,9 +46,9 @@ class TapObservation:
 
 @dataclass
 class GemmRecord:
-    """The GEMM operands of one step (:mod:`ampdoctor.gemm_operands`): the peak of each call's
+    """The GEMM operands of one step (:mod:`ampdoctor.record.gemm_operands`): the peak of each call's
     input and output gradient and of each called layer's weight (``taps``, flat as
-    :mod:`ampdoctor.light_taps` keeps them; gradients still scaled) and, on module-sampled steps,
+    :mod:`ampdoctor.record.light_taps` keeps them; gradients still scaled) and, on module-sampled steps,
     fine histograms."""
 
     taps: list                        # flat, light_taps.FIELDS entries per input, weight or gradient

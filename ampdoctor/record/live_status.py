@@ -9,8 +9,8 @@ recording ranks only (a rank that does not record has no recorder).
   read the run: ``ampdoctor report PATH``, or ``ampdoctor postmortem PATH`` when a non-finite loss
   or parameter was seen.
 
-The counts are what :class:`~ampdoctor.anomalies.AnomalyWatch` read from the steps' host scalars
-for its own checks (:class:`~ampdoctor.anomalies.Seen`): no device read, no sync of their own. A
+The counts are what :class:`~ampdoctor.record.anomalies.AnomalyWatch` read from the steps' host scalars
+for its own checks (:class:`~ampdoctor.record.anomalies.Seen`): no device read, no sync of their own. A
 logging failure (a handler or filter that raises) is swallowed: it must never reach training.
 
 Python shows INFO lines once logging is configured to (``logging.basicConfig(level=logging.INFO)``,

@@ -14,10 +14,10 @@ user put on that output. Module *full* backward hooks are not used: they route o
 custom autograd Function, which makes them views that in-place ops refuse to modify.
 
 Structure. Every call of a tapped module gets a number, its parent call and the calls whose
-returned tensors it received (:mod:`ampdoctor.call_graph`).
+returned tensors it received (:mod:`ampdoctor.record.call_graph`).
 
 Cost. Hooks run per tapped call and per output, so they do little: what a light step keeps per
-tensor is one ``aminmax`` and a few entries in a list (:mod:`ampdoctor.light_taps`); no lock is
+tensor is one ``aminmax`` and a few entries in a list (:mod:`ampdoctor.record.light_taps`); no lock is
 taken (counters are ``itertools.count`` objects, call stacks are per thread); and a static model
 makes no new Python object per call that lives to the step's end (the call's facts and its
 gradient hook are the previous step's when they are equal), because such objects set off
@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from .call_graph import CallGraph, ModuleCall, tensors_in
-from .schema import ROOT_NAME
+from ..run_file.schema import ROOT_NAME
 
 WRAPPER_CLASSES = ("FullyShardedDataParallel", "CheckpointWrapper", "OptimizedModule")  # never tapped
 
@@ -344,7 +344,7 @@ class ModuleTaps:
     def _gradient_hook(self, info: ModuleCall, output_nr: int) -> Callable[[tuple], None]:
         """The pre-hook of the autograd node of call ``info``'s output ``output_nr``: a partial,
         not a closure (the bound method and the facts, nothing else), and the previous step's one
-        when ``info`` is the previous step's call (see :mod:`ampdoctor.call_graph`: a static
+        when ``info`` is the previous step's call (see :mod:`ampdoctor.record.call_graph`: a static
         model makes no new object per step). No sync."""
         key = info.call if not output_nr else (info.call, output_nr)  # (an int: no new object)
         hook = self._hooks.get(key)

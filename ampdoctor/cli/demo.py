@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .analysis.scaler_config import TORCH_SETTINGS, ScalerConfig
-from .errors import AmpdoctorError, RecorderError, RunError
+from ..analysis.scaler_config import TORCH_SETTINGS, ScalerConfig
+from ..errors import AmpdoctorError, RecorderError, RunError
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 
 STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
@@ -158,8 +158,8 @@ def scaler_settings(scenario: str, **overrides: float | None) -> dict[str, float
 def recommended_settings(run: str | os.PathLike, run_id: str | None = None) -> dict[str, float]:
     """The four GradScaler settings the report of ``run`` recommends (``--settings-from``): to
     train a scenario again with them and check the prediction with ``ampdoctor compare``."""
-    from .analysis.report import report_data
-    from .run import read_run
+    from ..analysis.report import report_data
+    from ..read.run import read_run
 
     recommendation = report_data(read_run(run, run_id))["recommendation"]
     if recommendation is None:
@@ -181,7 +181,7 @@ def run_demo(path: str | os.PathLike = DEFAULT_PATH, *, scenario: str = "healthy
 
     Raises :class:`RecordingStopped` when the run written is not whole: the recorder failed
     (training stops there) or did not finish writing."""
-    from .scaler import GradScaler
+    from ..record.scaler import GradScaler
 
     scaler_kwargs = scaler_settings(scenario, **settings)
     cfg = SCENARIOS[scenario]
@@ -258,7 +258,7 @@ def _stopped_at(step: int | None, steps: int) -> str:
 
 def _held_steps(path: str | os.PathLike, steps: int) -> str:
     """What the run at ``path`` holds after a failure, read back from its segments' footers."""
-    from .run import read_run
+    from ..read.run import read_run
 
     try:
         span = read_run(path).step_range()
@@ -273,7 +273,7 @@ def _held_steps(path: str | os.PathLike, steps: int) -> str:
 def _check_whole(path: str | os.PathLike, steps: int) -> None:
     """Refuse a run that does not hold every step trained, closed cleanly: the writer failing
     raises RecorderError above, but one that did not finish in time (a stalled disk) only warns."""
-    from .run import read_run
+    from ..read.run import read_run
 
     try:
         run = read_run(path)

@@ -150,7 +150,7 @@ class GradScaler(_Recording, torch.amp.GradScaler):
     """Drop-in for :class:`torch.amp.GradScaler` that records a run.
 
     Positional and keyword arguments are torch's. The keyword-only options are those of
-    :class:`ampdoctor.options.RecordOptions` plus ``model`` (for parameter names; without it,
+    :class:`ampdoctor.record.options.RecordOptions` plus ``model`` (for parameter names; without it,
     parameters are named ``group{g}.param{i}``). An unpickled or deep-copied instance does not
     record (two writers must not share one run); :func:`wrap` it to record again.
     """

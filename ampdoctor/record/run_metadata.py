@@ -1,5 +1,5 @@
 """The footer metadata of a run's segments (docs/run-file.md, Footer metadata), keys from
-:mod:`ampdoctor.schema`. The writer adds its own (writer id, segment, final flag, rank)."""
+:mod:`ampdoctor.run_file.schema`. The writer adds its own (writer id, segment, final flag, rank)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from . import __version__
+from ..version import __version__
 from .hooks import WRAPPER_CLASSES, clean_name
 from .options import RecordOptions
-from .schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
+from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
                      META_GEMM_LAYERS, META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS,
                      META_SCALER_ENABLED, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE,
                      SCALER_META, SCHEMA_VERSION)
@@ -29,7 +29,7 @@ class RunMetadata:
     def __init__(self, scaler: torch.amp.GradScaler, scaler_class: str, options: RecordOptions, *,
                  device_type: str, world_size: int, model: torch.nn.Module | None = None) -> None:
         """Reads the current scale once (a sync) when ``scaler`` has already been used. ``model``:
-        the unwrapped model (:func:`~ampdoctor.hooks.unwrap_model`), whose indexed modules' types
+        the unwrapped model (:func:`~ampdoctor.record.hooks.unwrap_model`), whose indexed modules' types
         are recorded."""
         fixed = {META_SCHEMA_VERSION: str(SCHEMA_VERSION), META_VERSION: __version__,
                  META_TORCH_VERSION: torch.__version__, META_SCALER_CLASS: scaler_class,

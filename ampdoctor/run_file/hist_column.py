@@ -27,7 +27,7 @@ import sys
 import numpy as np
 import pyarrow as pa
 
-from .dependencies import release
+from ..dependencies import release
 
 HIST_TYPE = pa.list_(pa.int64())
 _LARGE_HIST_TYPE = pa.large_list(pa.int64())

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from .formats import float_format
+from ..float_formats import float_format
 from .hooks import ModuleFilter
-from .schema import HIST_BINS, HIST_MIN_EXP, LEVELS
+from ..run_file.schema import HIST_BINS, HIST_MIN_EXP, LEVELS
 
 # Full statistics of the gradients every 100 steps; of the module taps (about ten times the
 # elements of the gradients in a transformer) every 1000, unless ``every`` is set explicitly.

@@ -7,7 +7,7 @@ device work per tensor), and one ``list.extend`` of its facts and extremes, in a
 dtype. A flat list makes no Python object per tensor that lives until the step ends: such
 objects are what sets off Python's garbage collector (docs/benchmarks.md). Per dtype, because
 ``torch.stack`` of 0-dim tensors of mixed dtypes is about four times slower than of one dtype
-(autocast mixes them: bf16 linears, fp32 norms). The :class:`~ampdoctor.records.TapObservation`
+(autocast mixes them: bf16 linears, fp32 norms). The :class:`~ampdoctor.record.records.TapObservation`
 of each tensor is made only if its step is written, on the writer thread (:func:`observations`).
 
 A tensor seen twice in a row is reduced once (:class:`Repeat`): a model that returns its head's
@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 
 from .call_graph import ModuleCall
-from .formats import dtype_name
+from ..float_formats import dtype_name
 from .records import FlightStep, TapObservation
-from .stats import extremes, peaks_of_pairs
+from ..stats import extremes, peaks_of_pairs
 
 FIELDS = 7          # entries per tensor in a flat list: kind, call, order, torch dtype, numel, min, max
 _LOW, _HIGH = 5, 6  # the extremes' places; None once the step's peaks are made from them

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from html import escape
 
 from . import render
-from .run import Run, read_run
+from .read.run import Run, read_run
 
 RunLike = Run | str | os.PathLike
 NOTEBOOK_HEIGHT = 640  # pixels of the notebook frame that shows the page (it scrolls inside)

@@ -42,7 +42,7 @@ class StepPlan:
 
     def measured(self, step: int) -> bool:
         """Whether ``step``'s underflow is measured (a float32 shadow of its backward:
-        :mod:`ampdoctor.underflow_probe`)."""
+        :mod:`ampdoctor.record.underflow_probe`)."""
         return bool(self.measure_every) and step % self.measure_every == 0
 
     def per_tensor(self, step: int) -> bool:
