@@ -1,21 +1,30 @@
-"""What each command says, for library users and notebooks: ``ampdoctor.report(path)``,
-``ampdoctor.postmortem(path)``, ``ampdoctor.compare(a, b)``, ``ampdoctor.simulate(path, ...)``,
-``ampdoctor.layers(path, ...)`` and ``ampdoctor.fp8(path, ...)`` return the command's JSON contract
-(docs/json-contracts.md) as a dict, the same data ``ampdoctor COMMAND ... --format json`` prints
-with every sentence worded, that Jupyter shows as the command's HTML page. The analyses
-themselves (``analysis.*_data``) return findings, not sentences."""
+"""The commands: each analysis paired with its renderer, once (:data:`COMMANDS`), for the CLI
+and for library users and notebooks.
+
+``ampdoctor.report(path)``, ``ampdoctor.postmortem(path)``, ``ampdoctor.compare(a, b)``,
+``ampdoctor.simulate(path, ...)``, ``ampdoctor.layers(path, ...)`` and ``ampdoctor.fp8(path, ...)``
+return the command's JSON contract (docs/json-contracts.md) as a dict, the same data
+``ampdoctor COMMAND ... --format json`` prints with every sentence worded, that Jupyter shows as
+the command's HTML page. The analyses themselves (``analysis.*_data``) take a read
+:class:`~ampdoctor.read.run.Run` and return findings, not sentences; the path is read here (or by
+the CLI), the one place besides ``read_run`` that turns a path into a run. This module imports
+neither torch nor pandas: each analysis and renderer loads on first use."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from html import escape
+from typing import TYPE_CHECKING
 
-from . import render
-from .read.run import Run, read_run
+if TYPE_CHECKING:
+    from .read.run import Run
 
-RunLike = Run | str | os.PathLike
+    RunLike = Run | str | os.PathLike
+
 NOTEBOOK_HEIGHT = 640  # pixels of the notebook frame that shows the page (it scrolls inside)
 
 
@@ -27,7 +36,8 @@ class CommandResult(dict):
     matplotlib imported) only when the page is asked for."""
 
     def __init__(self, data: dict, renderer: Callable[..., str]) -> None:
-        super().__init__(render.contract(data))
+        from .render import contract
+        super().__init__(contract(data))
         self._data = data  # with its findings and chart series: what the renderers take
         self._renderer = renderer
 
@@ -94,7 +104,47 @@ class Fp8Readiness(CommandResult):
     """``ampdoctor.fp8(path)``."""
 
 
-def _run(run: RunLike, run_id: str | None) -> Run:
+@dataclass(frozen=True)
+class Command:
+    """One command: its analysis (``module:function`` in :mod:`ampdoctor.analysis`, taking the
+    read run(s) and the command's options, returning findings), its renderer (in
+    :mod:`ampdoctor.render`, taking that data, a format and display options: ``color=``,
+    ``top=``) and the class of its notebook result. Both load on first use."""
+
+    analysis: str
+    renderer: str
+    result: type[CommandResult]
+    runs: int = 1  # how many runs it reads
+
+    def analyse(self, *runs: "Run", **options) -> dict:
+        """The command's data for read runs. Raises ``ValueError`` for options it cannot use."""
+        return _load(self.analysis)(*runs, **options)
+
+    def render(self, data: dict, fmt: str, **options) -> str:
+        """The command's output in ``fmt`` (``text``, ``md``, ``json``, ``html``)."""
+        return _load(self.renderer)(data, fmt, **options)
+
+    def __call__(self, *runs: "Run", **options) -> CommandResult:
+        return self.result(self.analyse(*runs, **options), self.render)
+
+
+COMMANDS: dict[str, Command] = {
+    "report": Command("analysis.report:report_data", "render:report", Report),
+    "postmortem": Command("analysis.postmortem:postmortem_data", "render:postmortem", Postmortem),
+    "compare": Command("analysis.compare:compare_data", "render:comparison", Comparison, runs=2),
+    "simulate": Command("analysis.simulate:simulate_data", "render:simulate", Simulation),
+    "layers": Command("analysis.layers:layers_data", "render:layers", Layers),
+    "fp8": Command("analysis.fp8:fp8_data", "render.fp8:render_fp8", Fp8Readiness),
+}
+
+
+def _load(reference: str) -> Callable:
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(f".{module}", __package__), name)
+
+
+def _run(run: RunLike, run_id: str | None) -> "Run":
+    from .read.run import Run, read_run
     if isinstance(run, Run):
         if run_id is not None:
             raise ValueError("run_id picks a run of a path; this Run is already one run: pass its path instead")
@@ -104,41 +154,34 @@ def _run(run: RunLike, run_id: str | None) -> Run:
 
 def report(run: RunLike, run_id: str | None = None) -> Report:
     """``ampdoctor report``: scale history, layers, overflow origins, recommendation."""
-    from .analysis.report import report_data
-    return Report(report_data(_run(run, run_id)), render.report)
+    return COMMANDS["report"](_run(run, run_id))
 
 
 def postmortem(run: RunLike, run_id: str | None = None) -> Postmortem:
     """``ampdoctor postmortem``: the first non-finite event, its cause, origin, timeline, advice."""
-    from .analysis.postmortem import postmortem_data
-    return Postmortem(postmortem_data(_run(run, run_id)), render.postmortem)
+    return COMMANDS["postmortem"](_run(run, run_id))
 
 
 def compare(run_a: RunLike, run_b: RunLike, run_id_a: str | None = None, run_id_b: str | None = None) -> Comparison:
     """``ampdoctor compare``: two runs side by side, and whether run A's recommendation, applied in
     run B, did what its replay predicted."""
-    from .analysis.compare import compare_data
-    return Comparison(compare_data(_run(run_a, run_id_a), _run(run_b, run_id_b)), render.comparison)
+    return COMMANDS["compare"](_run(run_a, run_id_a), _run(run_b, run_id_b))
 
 
 def simulate(run: RunLike, run_id: str | None = None, **settings) -> Simulation:
     """``ampdoctor simulate``: the run's recorded gradients replayed under other GradScaler
     settings (``init_scale=``, ``growth_factor=``, ``backoff_factor=``, ``growth_interval=``,
     ``hysteresis=``, ``min_scale=``, ``max_scale=``; the run's own where not given)."""
-    from .analysis.simulate import simulate_data
-    return Simulation(simulate_data(_run(run, run_id), **settings), render.simulate)
+    return COMMANDS["simulate"](_run(run, run_id), **settings)
 
 
 def layers(run: RunLike, run_id: str | None = None, sort: str = "underflow", top: int | None = None) -> Layers:
     """``ampdoctor layers``: the per-layer table, sorted by ``underflow``, ``headroom`` or ``amax``."""
-    from .analysis.layers import layers_data
-    return Layers(layers_data(_run(run, run_id), sort=sort, top=top), render.layers)
+    return COMMANDS["layers"](_run(run, run_id), sort=sort, top=top)
 
 
 def fp8(run: RunLike, run_id: str | None = None, flush_limit: float = 0.01) -> Fp8Readiness:
     """``ampdoctor fp8``: FP8 readiness per GEMM layer (ready, keep, unknown) under current and
     delayed scaling, the layers to keep and torchao's filter for them, the shortest amax history.
     ``flush_limit``: the share of an operand's nonzero elements a layer may flush (0 < x < 1)."""
-    from .analysis.fp8 import fp8_data
-    from .render.fp8 import render_fp8
-    return Fp8Readiness(fp8_data(_run(run, run_id), flush_limit=flush_limit), render_fp8)
+    return COMMANDS["fp8"](_run(run, run_id), flush_limit=flush_limit)

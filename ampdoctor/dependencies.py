@@ -1,5 +1,5 @@
 """The packages ampdoctor imports, which of their versions work together, and one line that says
-so when the installed ones do not (README, "Supported versions").
+so when the installed ones do not (docs/supported-versions.md).
 
 pip cannot refuse every broken combination at install time: pyarrow 26 needs numpy 2 without
 declaring it, pyarrow 14 needs numpy 1 without declaring it (15 declares ``numpy<2``, which a
@@ -24,7 +24,7 @@ from .errors import AmpdoctorError, one_line
 PACKAGES = ("numpy", "pyarrow", "pandas", "click", "matplotlib", "torch")
 
 # (package, first version, end version, the numpy major it needs, the fix): pairs that fail to
-# import whatever ampdoctor does. Measured in fresh environments (README, "Supported versions").
+# import whatever ampdoctor does. Measured in fresh environments (docs/supported-versions.md).
 NUMPY_PAIRS = (
     ("pyarrow", (26,), None, 2, "pip install 'numpy>=2', or 'pyarrow<26'"),
     ("pyarrow", (0,), (16,), 1, "pip install 'pyarrow>=16', or 'numpy<2'"),
@@ -113,8 +113,8 @@ def import_problem(exc: BaseException, package: str | None = None) -> str:
     if known:
         return one_line(f"{what} failed to import ({exc}): {'; '.join(known)}")
     versions = ", ".join(f"{p} {v}" for p in PACKAGES if (v := installed(p)))
-    return one_line(f"{what} failed to import ({exc}); installed: {versions}; the README's "
-                    f"\"Supported versions\" lists the combinations that work")
+    return one_line(f"{what} failed to import ({exc}); installed: {versions}; "
+                    f"docs/supported-versions.md lists the combinations that work")
 
 
 def is_ours(exc: ImportError) -> bool:

@@ -37,7 +37,10 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampdoctor
-from ampdoctor.cli.demo import TinyGPT
+try:
+    from ampdoctor.cli.demo import TinyGPT
+except ImportError:  # a tree before the three wings (issue 38): stats_bandwidth.py measures older trees too
+    from ampdoctor.demo import TinyGPT
 
 LAYERS = (1, 4, 16)
 LEVELS = ("plain", "steps", "params", "full")

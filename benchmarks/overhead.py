@@ -86,7 +86,7 @@ OPTIONS = {"ampdoctor:steps": dict(level="steps"), "ampdoctor:params": dict(leve
            "ampdoctor:full": dict(level="full"), "ampdoctor:full-every10": dict(level="full", every=10),
            # (what the FP8 operands cost at full: not in trees before the fp8 option, 2026-11-27)
            "ampdoctor:full-no-fp8": dict(level="full", fp8=False)}
-# ampdoctor's defaults (README; ampdoctor/record/options.py), written out because an older tree may not
+# ampdoctor's defaults (docs/guide.md, "API"; ampdoctor/record/options.py), written out because an older tree may not
 # export them; _check_defaults compares them with the imported ampdoctor's where it has them.
 DEFAULT_EVERY, DEFAULT_MODULE_EVERY, ESCALATE_STEPS = 100, 1000, 20
 # state_dict's step number and run id (documented in ampdoctor.GradScaler.state_dict)
@@ -97,11 +97,20 @@ EVENTS = KINDS[1:]
 
 def _measures() -> bool:
     """Whether the imported ampdoctor measures underflow (``measure_every``): an older tree does not."""
-    try:
-        from ampdoctor.record.options import RecordOptions
-    except ImportError:
-        return False
-    return "measure_every" in getattr(RecordOptions, "__dataclass_fields__", {})
+    options = _options_module()
+    return options is not None and "measure_every" in getattr(options.RecordOptions, "__dataclass_fields__", {})
+
+
+def _options_module():
+    """The imported ampdoctor's options module: ``ampdoctor.record.options``, or ``ampdoctor.options``
+    in a tree before the three wings (issue 38); None where neither exists."""
+    import importlib
+    for name in ("ampdoctor.record.options", "ampdoctor.options"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
 
 
 # -- the model: a copy of ampdoctor.cli.demo.TinyGPT, so that an older tree trains the same workload --
@@ -519,10 +528,7 @@ def _count_syncs(fn, *args) -> int:
 
 def _check_defaults() -> dict:
     """The cadence this script assumes, checked against the imported ampdoctor's where it says."""
-    try:
-        from ampdoctor.record import options
-    except ImportError:
-        options = None
+    options = _options_module()
     found = {"every": getattr(options, "DEFAULT_EVERY", None), "module_every": getattr(options, "DEFAULT_MODULE_EVERY", None)}
     assumed = {"every": DEFAULT_EVERY, "module_every": DEFAULT_MODULE_EVERY}
     for key, value in found.items():

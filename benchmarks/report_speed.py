@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ampdoctor.read.run import read_run
 from ampdoctor import __version__
 from ampdoctor.run_file.hist_column import hist_array
 from ampdoctor.run_file.schema import HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION, META_SEGMENT, META_VERSION, \
@@ -126,11 +127,11 @@ t = time.perf_counter()
 from ampdoctor import render
 if sys.argv[2] == "report":
     from ampdoctor.analysis.report import report_data
-    data = report_data(sys.argv[1])
+    data = report_data(read_run(sys.argv[1]))
     render.to_json(data)
 else:
     from ampdoctor.analysis.postmortem import postmortem_data
-    data = postmortem_data(sys.argv[1])
+    data = postmortem_data(read_run(sys.argv[1]))
     render.to_json(data)
 print(json.dumps({"seconds": time.perf_counter() - t,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

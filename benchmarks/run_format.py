@@ -121,7 +121,7 @@ def measure(steps: int, params: int, every: int, repeats: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000, help="steps per segment (flush_every's default)")
-    parser.add_argument("--params", type=int, default=197, help="parameter tensors (the README's GPT)")
+    parser.add_argument("--params", type=int, default=197, help="parameter tensors (the GPT of docs/benchmarks.md's summary)")
     parser.add_argument("--every", type=int, nargs="*", default=[100, 1])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)

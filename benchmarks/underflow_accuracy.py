@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import architectures as A  # noqa: E402
 
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.report import report_data  # noqa: E402
 
 ARCHS = "gpt2,t5,vit,bert,nanogpt,relu_mlp,cnn,lstm"
@@ -71,7 +72,7 @@ def one_run(name: str, steps: int, every: int | None, scale: float, factor: floa
     path = tmp / f"{name}-{steps}-{every}-{scale:g}-{factor:g}.parquet"
     settings = {} if every is None else {"every": every}
     truth = A.train_recorded(name, path, steps, init_scale=scale, loss_factor=factor, **settings)
-    layers = report_data(path)["layers"]
+    layers = report_data(read_run(path))["layers"]
     cases = []
     for kind in ("param_grad", "grad_output"):
         rows = {r["name"]: r for r in layers if r["kind"] == kind}

@@ -1,4 +1,4 @@
-"""Compile the triton algorithm's kernels (ampdoctor/stats/full_triton.py) for an NVIDIA target
+"""Compile the triton algorithm's kernels (ampdoctor/stats/full_triton_kernels.py) for an NVIDIA target
 without a GPU, with the ptxas that Triton ships: catches what Triton's interpreter lets pass (a
 plain global read in a kernel, an op the compiler refuses). Prints one line per kernel; exits 1
 on the first that fails. Run it without TRITON_INTERPRET (the tests do, in a subprocess).
@@ -20,7 +20,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ampdoctor.stats import full_triton as ft  # noqa: E402
+from ampdoctor.stats import full_triton as ft  # noqa: E402 - the launch parameters
+from ampdoctor.stats import full_triton_kernels as kernels  # noqa: E402
 
 TILE = {"tiles": "*i64", "addresses": "*i64", "single": "*fp32", "inv_scale": "*fp32", "hist_out": "*i32", "extra_out": "*i32", "amax_out": "*fp32",
         "amin_out": "*i32", "sumsq_out": "*fp64", "marks": "*u8", "threshold": "fp32"}
@@ -39,13 +40,13 @@ def variants():
             for wide in (False, True):
                 for single in (False, True):
                     pointer = {**TILE, "single": f"*{'i16' if element == 'int16' else 'fp' + str(8 * size)}"}
-                    yield (f"tile {torch_name} scale={has_scale} wide={wide} single={single}", ft._tile_kernel,
+                    yield (f"tile {torch_name} scale={has_scale} wide={wide} single={single}", kernels._tile_kernel,
                            pointer, {"DTYPE": getattr(tl, element), "ESIZE": size, "SINGLE": single,
                                      "HAS_SCALE": has_scale, "RB": ft.RB, "CB": ft.CB, "FIRST_E": 71, "LAST_BIN": 63,
                                      "NBINS": 64, "WIDE": wide, "FOR_LOOP": True, "BF16": torch_name == "bfloat16"},
                            ft.TILE_WARPS)
     for per_tensor in (True, False):
-        yield (f"slot per_tensor={per_tensor}", ft._slot_kernel, SLOT,
+        yield (f"slot per_tensor={per_tensor}", kernels._slot_kernel, SLOT,
                {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71, "BINS": 64, "NBINS": 64,
                 "PER_TENSOR": per_tensor, "LINE_BLOCK": ft._LINE_BLOCK, "FOR_LOOP": True}, 4)
 

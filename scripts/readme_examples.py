@@ -1,6 +1,9 @@
-"""Regenerate (or check) the example outputs in README.md.
+"""Regenerate (or check) the example outputs in README.md and the docs/ pages.
 
-Each example in the README sits between two markers, with the command that produced it:
+The pages checked are README.md and every ``docs/*.md`` page that holds an example (:func:`pages`):
+the README keeps the quick start's, the pages under docs/ the others (``docs/guide.md``'s
+``compare``, ``docs/fp8.md``'s ``fp8``). The same rules hold on every page. Each example sits
+between two markers, with the command that produced it:
 
     <!-- example: ampdoctor demo --scenario overflow --report -->
     ```text
@@ -9,10 +12,12 @@ Each example in the README sits between two markers, with the command that produ
     <!-- /example -->
 
 The command runs with bash in a fresh temporary directory (so runs it writes never mix with
-others), with this checkout's package first on the path, and its standard output replaces the
-block. ``--check`` changes nothing and exits 1, naming the stale examples, when any output
-differs beyond another CPU's rounding (below): CI runs it (``tests/test_readme.py``), so the
-README cannot show output that the code no longer produces.
+others) that links the checkout's ``docs/examples`` at ``docs/examples`` (so a command reads the
+runs kept there by the same path from whichever page), with this checkout's package first on the
+path, and its standard output replaces the block. ``--check`` changes nothing and exits 1, naming
+the stale examples (``page: command``), when any output differs beyond another CPU's rounding
+(below): CI runs it (``tests/test_readme.py``), so neither the README nor a docs/ page can show
+output that the code no longer produces.
 
 Training on the CPU is deterministic on one machine (the demo trains on one thread), not across
 machines: fp16 kernels round differently from one CPU to the next, and torch does not name which
@@ -39,12 +44,17 @@ command prints when, line for line (see :func:`same_output`):
   next one on the machine that generated the README, shown first by another CPU's rounding).
 
 What the reader relies on, the verdicts, settings, skipped steps and the wording, is therefore
-checked exactly; the measured magnitudes to the digit a CPU can change. The README's
-``<!-- examples generated with: ... -->`` line says where the outputs were last regenerated
-(:func:`environment`): provenance, not a condition of the check.
+checked exactly; the measured magnitudes to the digit a CPU can change.
 
-    python scripts/readme_examples.py           # rewrite README.md
-    python scripts/readme_examples.py --check   # exit 1 if an example is stale
+Provenance: every page that holds examples carries exactly one
+``<!-- examples generated with: ... -->`` line, which says where that page's outputs were last
+regenerated (:func:`environment`); rewriting a page regenerates all its outputs and its line, and
+only its own. A page with examples and no such line (or more than one) fails both modes. The line
+is a record, not a condition of the check.
+
+    python scripts/readme_examples.py                    # rewrite README.md and the docs/ pages
+    python scripts/readme_examples.py --check            # exit 1 if an example is stale
+    python scripts/readme_examples.py docs/fp8.md        # only the pages named
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 EXAMPLE = re.compile(r"<!-- example: (?P<command>.+?) -->\n```text\n(?P<output>.*?)```\n<!-- /example -->", re.S)
 GENERATED = re.compile(r"<!-- examples generated with: (?P<where>.*?) -->")
 # A number as the renderers print it: ``150``, ``+4.0``, ``0.0384``, ``1.04858e+06``, ``0.521%``.
@@ -86,6 +97,28 @@ class Example:
 
 def examples(text: str) -> list[Example]:
     return [Example(m["command"], m["output"], m.span("output")) for m in EXAMPLE.finditer(text)]
+
+
+def pages() -> list[Path]:
+    """The pages whose examples are checked: README.md, then every ``docs/*.md`` page that holds an
+    example, in name order."""
+    docs = [page for page in sorted(DOCS.glob("*.md")) if examples(page.read_text(encoding="utf-8"))]
+    return [README, *docs]
+
+
+def page_name(page: Path) -> str:
+    """``page`` as the messages name it: relative to the checkout where it lies inside it."""
+    page = page.resolve()
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
+
+
+def provenance_problem(text: str, name: str) -> str | None:
+    """Why the page ``name`` (its ``text``) breaks the provenance rule, if it does: a page with
+    examples carries exactly one ``examples generated with`` line."""
+    count = len(GENERATED.findall(text))
+    if examples(text) and count != 1:
+        return f"{name}: {count} '<!-- examples generated with: ... -->' lines (one per page with examples)"
+    return None
 
 
 def environment() -> str:
@@ -228,9 +261,9 @@ def run_example(command: str) -> str:
     return out if out.endswith("\n") else out + "\n"
 
 
-def refresh(text: str) -> tuple[str, list[str]]:
-    """``text`` with every example's output regenerated and marked as generated here, and the
-    commands whose output changed beyond another CPU's rounding (:func:`same_output`)."""
+def refresh(text: str, name: str = "README.md") -> tuple[str, list[str]]:
+    """``text`` (the page ``name``) with every example's output regenerated and marked as generated
+    here, and the commands whose output changed beyond another CPU's rounding (:func:`same_output`)."""
     stale, pieces, last = [], [], 0
     for ex in examples(text):
         fresh = run_example(ex.command)
@@ -238,7 +271,7 @@ def refresh(text: str) -> tuple[str, list[str]]:
         if problems:
             stale.append(ex.command)
             sys.stderr.writelines(difflib.unified_diff(ex.recorded.splitlines(True), fresh.splitlines(True),
-                                                       f"README: {ex.command}", "now"))
+                                                       f"{name}: {ex.command}", "now"))
             sys.stderr.writelines(f"  {p}\n" for p in problems)
         pieces += [text[last:ex.span[0]], fresh]
         last = ex.span[1]
@@ -247,24 +280,45 @@ def refresh(text: str) -> tuple[str, list[str]]:
     return GENERATED.sub(lambda _: marker, "".join(pieces)), stale
 
 
+def check(paths: list[Path] | None = None) -> list[str]:
+    """What is wrong with the examples of ``paths`` (default: :func:`pages`), changing nothing: each
+    stale example as ``page: command``, a page with no example, a page that breaks the provenance
+    rule. Empty: every example is what its command prints."""
+    problems = []
+    for page in paths or pages():
+        text, name = page.read_text(encoding="utf-8"), page_name(page)
+        if not examples(text):
+            problems.append(f"{name}: no examples found")
+            continue
+        problems += filter(None, [provenance_problem(text, name)])
+        problems += [f"{name}: {command}" for command in refresh(text, name)[1]]
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if an example is stale")
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("pages", type=Path, nargs="*",
+                        help="the pages to regenerate or check (default: README.md and the docs/ pages with examples)")
     args = parser.parse_args(argv)
-    text = args.readme.read_text(encoding="utf-8")
-    if not examples(text):
-        print(f"{args.readme}: no examples found", file=sys.stderr)
-        return 1
-    new, stale = refresh(text)
+    paths = args.pages or pages()
     if args.check:
-        if stale:
-            print(f"stale README examples (run python scripts/readme_examples.py): {stale}", file=sys.stderr)
+        problems = check(paths)
+        if problems:
+            print(f"examples to fix (a stale one: run python scripts/readme_examples.py): {problems}", file=sys.stderr)
             return 1
         return 0
-    if new != text:
-        args.readme.write_text(new, encoding="utf-8")
-    print(f"{len(examples(text))} examples, {len(stale)} updated", file=sys.stderr)
+    texts = {page: page.read_text(encoding="utf-8") for page in paths}
+    problems = [f"{page_name(page)}: no examples found" for page, text in texts.items() if not examples(text)]
+    problems += filter(None, (provenance_problem(text, page_name(page)) for page, text in texts.items()))
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    for page, text in texts.items():
+        new, stale = refresh(text, page_name(page))
+        if new != text:
+            page.write_text(new, encoding="utf-8")
+        print(f"{page_name(page)}: {len(examples(text))} examples, {len(stale)} updated", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.report import report_data
 from models import train_recorded
 
@@ -26,7 +27,7 @@ def scenarios(tmp_path_factory):
     for name, options in SCENARIOS.items():
         path = root / f"{name}.parquet"
         skipped = train_recorded(path, steps=STEPS, **options)
-        out[name] = (path, skipped, report_data(path))
+        out[name] = (path, skipped, report_data(read_run(path)))
     return out
 
 

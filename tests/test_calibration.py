@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.calibration import NOISE_LOG2, Measurements, Tails, calibrated, calibrated_low, still_lost
 from ampdoctor.analysis.report import report_data
 
@@ -104,7 +105,7 @@ def test_a_measured_count_s_range_leaves_room_for_the_shadow_s_rounding_noise(tm
     total, _, outside = _judge(path, truth)
     assert total > 50 and outside == []
     name = "transformer.h.0.attn.c_attn"
-    row = next(r for r in report_data(path)["layers"] if (r["kind"], r["name"]) == ("grad_output", name))
+    row = next(r for r in report_data(read_run(path))["layers"] if (r["kind"], r["name"]) == ("grad_output", name))
     t = truth.averaged("grad_output")[name]
     assert row["underflow_measured"] == 1 and row["underflow_rate_min"] < row["underflow_rate"]
     assert abs(row["underflow_rate_min"] - t.rate) <= max(0.005, 0.25 * t.rate)  # without the undecided elements
@@ -112,7 +113,7 @@ def test_a_measured_count_s_range_leaves_room_for_the_shadow_s_rounding_noise(tm
 
 def _judge(path, truth: A.RunTruth) -> tuple[int, list, list]:
     """(rows judged, rows outside the tolerance, rows whose range misses the truth by more than it)."""
-    rows = {(r["kind"], r["name"]): r for r in report_data(path)["layers"]}
+    rows = {(r["kind"], r["name"]): r for r in report_data(read_run(path))["layers"]}
     total, off, outside = 0, [], []
     for kind in ("param_grad", "grad_output"):
         for name, t in truth.averaged(kind).items():
@@ -150,7 +151,7 @@ def test_estimated_steps_between_measurements_match_the_truth(tmp_path, name, sc
     total, off, outside = _judge(path, truth)
     assert total >= 15 and len(off) <= 0.05 * total, off
     assert outside == []  # the truth within every row's range [underflow_rate_min, underflow_rate_max]
-    layers = report_data(path)["layers"]
+    layers = report_data(read_run(path))["layers"]
     estimated = [r for r in layers if r["kind"] != "output" and r["underflow_measured"] is not None]
     assert estimated and all(r["underflow_measured"] < 1 and r["measure_distance"] > 0 for r in estimated)
 
@@ -169,7 +170,7 @@ def test_a_run_whose_gradients_shrink_is_followed_between_samples(tmp_path, name
     truth = A.train_recorded(name, path, 40, init_scale=1.0, loss_factor=1e-4, every=100, outputs=False,
                              every_step_truth=True, loss_factor_at=lambda step: 2.0 ** (-4 * step / 40))
     true, true_max = truth.run_rate()
-    current = report_data(path)["recommendation"]["current"]
+    current = report_data(read_run(path))["recommendation"]["current"]
     low, high = current["underflow_rate_min"], current["underflow_rate_max"]
     assert true > 0.2 and low <= true <= high, (low, true, high)
     if name == "nanogpt":
@@ -186,7 +187,7 @@ def test_retraining_with_the_recommendation_underflows_as_predicted(tmp_path, na
     kw = dict(loss_factor=1e-5, outputs=False, every_step_truth=True)
     before = A.train_recorded(name, tmp_path / "a.parquet", 40, init_scale=1.0, **kw)
     assert before.run_rate()[0] > 0.1
-    rec = report_data(tmp_path / "a.parquet")["recommendation"]
+    rec = report_data(read_run(tmp_path / "a.parquet"))["recommendation"]
     assert rec["verdict"] == "change" and rec["init_scale"] > 1
     after = A.train_recorded(name, tmp_path / "b.parquet", 40, init_scale=rec["init_scale"],
                              growth_interval=rec["growth_interval"], growth_factor=rec["growth_factor"],
@@ -195,7 +196,7 @@ def test_retraining_with_the_recommendation_underflows_as_predicted(tmp_path, na
     true, true_max = after.run_rate()
     tolerance = max(0.0005, 0.25 * true)
     assert low - tolerance <= true_max and true <= high + tolerance, (low, high, true, true_max)
-    skipped = report_data(tmp_path / "b.parquet")["scale"]["skipped_steps"]
+    skipped = report_data(read_run(tmp_path / "b.parquet"))["scale"]["skipped_steps"]
     assert abs(skipped - rec["predicted"]["skipped_steps"]) <= 2
 
 
@@ -208,8 +209,8 @@ def test_simulate_at_the_recorded_settings_reads_the_calibrated_layers(tmp_path)
     torch.set_num_threads(1)
     path = tmp_path / "run.parquet"
     A.train_recorded("gpt2", path, 30, init_scale=1.0, loss_factor=2.0**-14, every=10, outputs=False)
-    report = {r["name"]: r for r in report_data(path)["layers"] if r["kind"] == "param_grad"}
-    simulated = {r["name"]: r for r in simulate_data(path)["layers"]}
+    report = {r["name"]: r for r in report_data(read_run(path))["layers"] if r["kind"] == "param_grad"}
+    simulated = {r["name"]: r for r in simulate_data(read_run(path))["layers"]}
     assert report.keys() == simulated.keys()
     for name, row in report.items():
         assert simulated[name]["underflow_rate_min"] == pytest.approx(row["underflow_rate"], abs=1e-9), name
@@ -278,6 +279,6 @@ def test_light_rows_of_a_parameter_never_sampled_are_counted_nowhere_and_said_so
         scaler.update()
         opt.zero_grad(set_to_none=True)
     scaler.close()
-    report = report_data(tmp_path / "run.parquet")
+    report = report_data(read_run(tmp_path / "run.parquet"))
     said = [w for w in report["warnings"] if getattr(w, "code", None) == "light_rows_without_sample"]
     assert [w.values for w in said] == [{"rows": 6}], report["warnings"]  # 3 steps, weight and bias

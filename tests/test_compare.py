@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor import render
 from ampdoctor.analysis.compare import (SETTINGS, UNDERFLOW_SLACK, check_skipped, check_underflow, compare_data,
                                         join_layers, setting_differences)
@@ -118,7 +119,7 @@ def test_every_format_says_the_change_and_the_verdict(runs, tmp_path):
     from ampdoctor.render.html import prose
     from ampdoctor.render.markdown import escaped_text
 
-    data = compare_data(runs["A"], runs["B"])
+    data = compare_data(read_run(runs["A"]), read_run(runs["B"]))
     # The verdict as data, not as one CPU's wording: the replay predicts run B's underflow from A's
     # fp16 gradients, whose last bits differ from one CPU to the next (5.5e-7 with AVX-512 kernels,
     # "<0.001%"; exactly 0 with ATen's AVX2 ones, "no underflow"). Either is a negligible prediction.

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.underflow import underflow_bounds
 from ampdoctor.cli.commands import main
 from ampdoctor.float_formats import FLOAT16
@@ -244,6 +245,6 @@ def test_a_failed_export_leaves_no_event_files_so_a_retry_works(tmp_path, monkey
     with monkeypatch.context() as patch:
         patch.setattr(tensorboard_export, "layer_points", broken)
         with pytest.raises(OSError, match="disk full"):
-            export_tensorboard(path, logdir)
+            export_tensorboard(read_run(path), logdir)
     assert not list(logdir.glob("rank*/events.out.tfevents*"))
-    assert export_tensorboard(path, logdir)["ranks"][0]["steps"] == 4
+    assert export_tensorboard(read_run(path), logdir)["ranks"][0]["steps"] == 4

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import fp8_truth as F
+import ampdoctor
 from ampdoctor.run_file import fine_bins
 from ampdoctor.analysis import fp8
 from ampdoctor.errors import RunError
@@ -539,7 +540,7 @@ def test_fp8_data_of_a_run_follows_the_contract(tmp_path):
     meta = {META_RUN_ID: "run-1", META_LEVEL: "full", "amp.dtype": "bfloat16", "device": "cpu",
             META_GEMM_LAYERS: json.dumps({"fc1": "Linear", "head": "Linear", "fc2": "Linear"})}
     path = _segment(tmp_path / "run.parquet", rows, meta)
-    data = fp8.fp8_data(path, flush_limit=0.02)
+    data = fp8.fp8_data(ampdoctor.read_run(path), flush_limit=0.02)
     check_contract(data, FP8_CONTRACT)
     assert (data["path"], data["run_id"], data["amp_dtype"]) == (str(path), "run-1", "bfloat16")
     assert data["flush_limit"] == 0.02
@@ -557,7 +558,7 @@ def test_fp8_data_of_a_run_follows_the_contract(tmp_path):
     # the same numbers as the frame's analysis, and predictions() reads the run the same way
     same = fp8.frame_data(_frame(rows), meta, flush_limit=0.02)
     assert {k: v for k, v in data.items() if k not in ("path", "run_id")} == same
-    pred = fp8.predictions(path)
+    pred = fp8.predictions(ampdoctor.read_run(path))
     # 3 layers x 4 (operand, format) x 4 recipes x 4 steps; 2 sampled layers at steps 0 and 2
     assert len(pred) == 3 * 4 * 4 * 4 and pred["flushed"].notna().sum() == 2 * 4 * 4 * 2
 
@@ -570,7 +571,7 @@ def test_a_run_without_gemm_rows_is_a_one_line_run_error_that_says_what_to_do(tm
     path = _segment(tmp_path / "run.parquet", rows, {META_LEVEL: level})
     for call in (fp8.fp8_data, fp8.predictions):
         with pytest.raises(RunError) as caught:
-            call(path)
+            call(ampdoctor.read_run(path))
         message = str(caught.value)
         assert message == (f"{path}: no FP8 operand statistics: {why}; "
                            f"record with GradScaler(..., level='full', model=model) (fp8=True, the default)")

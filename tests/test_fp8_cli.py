@@ -241,10 +241,10 @@ def stand_in(monkeypatch, data):
     calls = []
     module = types.ModuleType("ampdoctor.analysis.fp8")
 
-    def fp8_data(run_or_path, *, flush_limit=0.01, run_id=None):
-        calls.append({"run": run_or_path, "flush_limit": flush_limit, "run_id": run_id})
+    def fp8_data(run, *, flush_limit=0.01):
+        calls.append({"run": run, "flush_limit": flush_limit})
         if getattr(module, "fail", False):
-            raise RunError(f"{run_or_path.path}: no FP8 operand statistics: the run was recorded at "
+            raise RunError(f"{run.path}: no FP8 operand statistics: the run was recorded at "
                            f"level='params'; record with GradScaler(..., level='full', model=model)")
         return copy.deepcopy(data)
 

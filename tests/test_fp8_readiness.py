@@ -82,9 +82,10 @@ def _within(predicted: float, true: float) -> bool:
 
 
 def compare(path: str, true_casts: dict) -> dict:
+    import ampdoctor
     from ampdoctor.analysis.fp8 import predictions
 
-    pred = predictions(path)
+    pred = predictions(ampdoctor.read_run(path))
     cells = within = 0
     misses, clip_mismatches = [], []
     nonzero_cells = 0
@@ -132,6 +133,7 @@ def test_an_injected_outlier_layer_is_the_only_one_kept_and_its_clips_are_listed
     huge row over ordinary ones, which tensorwise scaling cannot hold (most of the rest flushes in
     E4M3 at any scale that keeps the row). The verdict keeps that layer alone in bf16, and the
     delayed-scaling table lists step 4, where the weight's amax jumped past every history."""
+    import ampdoctor
     from ampdoctor.analysis.fp8 import fp8_data
 
     arch = A.build("vit")
@@ -144,7 +146,7 @@ def test_an_injected_outlier_layer_is_the_only_one_kept_and_its_clips_are_listed
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         capture, scales = train(arch, torch.bfloat16, str(tmp_path / "run"), steps=STEPS, inject=inject)
-    data = fp8_data(str(tmp_path / "run"))
+    data = fp8_data(ampdoctor.read_run(tmp_path / "run"))
     assert data["keep"] == ["classifier"]
     layer = next(l for l in data["layers"] if l["name"] == "classifier")
     weight = next(o for o in layer["operands"] if o["operand"] == "weight")
@@ -164,6 +166,7 @@ def test_a_mid_network_outlier_keeps_exactly_the_layers_the_truth_keeps(tmp_path
     huge elements over many tiny ones, which E5M2 flushes too. The verdict keeps exactly the layers
     whose captured operands, cast at the sampled steps under current scaling, lose more than the
     limit; the injected layer for its weight."""
+    import ampdoctor
     from ampdoctor.analysis.fp8 import fp8_data
 
     arch = A.build("vit")
@@ -177,7 +180,7 @@ def test_a_mid_network_outlier_keeps_exactly_the_layers_the_truth_keeps(tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         capture, scales = train(arch, torch.bfloat16, str(tmp_path / "run"), inject=inject)
-    data = fp8_data(str(tmp_path / "run"))
+    data = fp8_data(ampdoctor.read_run(tmp_path / "run"))
     true_keep = []
     for layer, slots in capture.operands.items():
         lost = max(c.flushed_share + c.saturated_share

@@ -126,7 +126,7 @@ def test_gradient_accumulation_gives_a_pass_per_micro_batch_and_one_weight_per_s
     assert mid.groupby("kind")["step"].count().to_dict() == {INPUT: 6, GRAD: 6, WEIGHT: 2}
     inputs = mid[mid["kind"] == INPUT].sort_values(["step", "call"])
     assert inputs["amax"].tolist() == [pytest.approx(_amax(t), abs=0) for t in capture.operands["mid.1"]["input"]]
-    pred = predictions(tmp_path / "run")
+    pred = predictions(ampdoctor.read_run(tmp_path / "run"))
     current = pred[(pred["layer"] == "mid.1") & (pred["operand"] == "input") & (pred["recipe"] == "current")]
     assert len(current) == 6  # a pass per call, as TransformerEngine's history advances per micro-batch
     # a history longer than the run clips only the unavoidable passes, counted in passes, not steps

@@ -8,6 +8,7 @@ import json
 import torch
 from click.testing import CliRunner
 
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.layers import layers_data
 from ampdoctor.analysis.report import report_data
 from ampdoctor.cli.commands import main
@@ -32,10 +33,10 @@ def test_underflow_scenario_names_the_underflowing_layers_first(scenarios):
 
 def test_layers_command_sorts_and_limits(scenarios):
     path = scenarios["underflow"][0]
-    by_headroom = layers_data(path, "headroom")["layers"]
+    by_headroom = layers_data(read_run(path), "headroom")["layers"]
     headroom = [layer["headroom_log2"] for layer in by_headroom if layer["headroom_log2"] is not None]
     assert headroom == sorted(headroom)
-    by_amax = layers_data(path, "amax", top=3)["layers"]
+    by_amax = layers_data(read_run(path), "amax", top=3)["layers"]
     assert len(by_amax) == 3 and by_amax[0]["amax"] >= by_amax[1]["amax"] >= by_amax[2]["amax"]
     result = CliRunner().invoke(main, ["layers", str(path), "--sort", "underflow", "--top", "2", "--format", "json"])
     assert [layer["name"] for layer in json.loads(result.output)["layers"]] in (
@@ -45,7 +46,7 @@ def test_layers_command_sorts_and_limits(scenarios):
 def test_a_steps_level_run_has_no_layers_to_list(tmp_path):
     path = tmp_path / "steps.parquet"
     train_recorded(path, steps=5, level="steps", escalate_steps=0)
-    data = layers_data(path)
+    data = layers_data(read_run(path))
     assert data["layers"] == [] and data["missing"].code == "no_layer_rows_to_list"
     assert "level='steps'" in contract(data)["missing"]
 
@@ -67,7 +68,7 @@ def test_large_fp32_activations_are_not_flagged_as_fp16_overflow(tmp_path):
 
     path = tmp_path / "loud.parquet"
     train_recorded(path, steps=10, init_scale=2.0**10, level="full", model_factory=WithLoud)
-    report = contract(report_data(path))
+    report = contract(report_data(read_run(path)))
     loud = [layer for layer in report["layers"] if layer["name"] == "loud" and layer["kind"] == "output"]
     assert loud and loud[0]["amax"] > 65504 and loud[0]["headroom_log2"] > 100  # judged in fp32
     assert not any("`loud`" in a for a in report["recommendation"]["advice"])
@@ -88,14 +89,14 @@ class Indexed(torch.nn.Module):
 def test_layers_named_by_an_index_show_their_module_type(tmp_path):
     path = tmp_path / "indexed.parquet"
     train_recorded(path, steps=6, level="full", model_factory=Indexed)
-    report = contract(report_data(path))
+    report = contract(report_data(read_run(path)))
     types = {(layer["name"], layer["kind"]): layer["module_type"] for layer in report["layers"]}
     assert types[("mlp.0.weight", "param_grad")] == types[("mlp.2.bias", "param_grad")] == "Linear"
     assert types[("mlp.1", "output")] == types[("mlp.1", "grad_output")] == "Tanh"
     assert types[("mlp.2", "output")] == "Linear"
     # A name that says what it is keeps no type.
     assert types[("head.weight", "param_grad")] is None and types[("head", "output")] is None
-    listed = layers_data(path, "headroom")["layers"]
+    listed = layers_data(read_run(path), "headroom")["layers"]
     assert {(layer["name"], layer["kind"]): layer["module_type"] for layer in listed} == types
     runner = CliRunner()
     text = runner.invoke(main, ["report", str(path), "--top", "100"]).output
@@ -122,7 +123,7 @@ def test_runs_without_module_types_show_the_names_as_they_are(tmp_path):
         table = pq.read_table(segment)
         meta = {k: v for k, v in table.schema.metadata.items() if k.decode() != META_MODULE_TYPES}
         pq.write_table(table.replace_schema_metadata(meta), segment)
-    layers = contract(report_data(path))["layers"]
+    layers = contract(report_data(read_run(path)))["layers"]
     assert {layer["name"] for layer in layers} >= {"mlp.0.weight", "mlp.2.bias"}
     assert all(layer["module_type"] is None for layer in layers)
     text = CliRunner().invoke(main, ["layers", str(path)]).output

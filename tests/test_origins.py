@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.origins import OUTSIDE, find_origins, nonfinite_rows
 from ampdoctor.analysis.report import report_data
 from ampdoctor.record.call_graph import tensors_in
@@ -177,7 +178,7 @@ def test_gradient_produced_outside_the_model(run_path):
     assert o.step == K and o.forward is None and math.isfinite(o.loss)
     assert o.overflow.name == OUTSIDE and o.overflow.tensor == "head"  # head returned it for the model
     # The report names where it was seen and says what to do about it.
-    report = contract(report_data(run_path))
+    report = contract(report_data(read_run(run_path)))
     (origin,) = report["overflow_origins"]
     assert origin["name"] == OUTSIDE and origin["after"] == "head" and origin["count"] == 1
     assert any("outside every tapped module" in a and "into `head`'s output" in a and "or the loss" in a
@@ -192,7 +193,7 @@ def test_skipped_steps_without_an_origin_are_counted_in_a_warning(tmp_path):
 
     path = tmp_path / "run.parquet"
     skipped = train_recorded(path, steps=30, init_scale=2.0**24, level="params")
-    report = contract(report_data(path))
+    report = contract(report_data(read_run(path)))
     named = sum(o["count"] for o in report["overflow_origins"])
     assert 0 < named < skipped == report["scale"]["skipped_steps"]
     assert f"{skipped - named} of the {skipped} anomalous steps have no origin" in " ".join(report["warnings"])
@@ -402,7 +403,7 @@ def test_function_called_inline_in_a_block_is_named_by_the_block(kind, run_path)
     b = rows(frame, K, "output", "block.b").iloc[0]
     a_call = call_of(frame, K, "block.a")
     assert list(b["inputs"]) == [a_call] and list(b["computed_inputs"]) == [a_call]
-    report = contract(report_data(run_path))
+    report = contract(report_data(read_run(run_path)))
     (origin,) = report["overflow_origins"]
     assert (origin["name"], origin["kind"], origin["first_step"]) == ("block", "grad_output", K)
 
@@ -442,7 +443,7 @@ def test_function_called_inline_in_the_model_forward_is_named_by_the_model(kind,
         assert (o.overflow.name, o.overflow.kind, o.overflow.occurrence) == ("(model)", "grad_output", 0)
         assert o.overflow.tensor in ("block", "block.b")  # the block returned b's output as its own
     assert not nonfinite_rows(rows(frame, K, "grad_output", "head")).any()
-    pm = contract(postmortem_data(run_path))
+    pm = contract(postmortem_data(read_run(run_path)))
     assert pm["cause"] == "backward_overflow" and pm["origin"]["name"] == "(model)"
 
 

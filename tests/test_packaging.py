@@ -94,7 +94,7 @@ def test_a_failed_import_says_what_to_change(versions):
     versions(numpy="2.4.6", pandas="2.2.3")  # no known pair: the versions, and where the working ones are
     message = dependencies.import_problem(ValueError("numpy.dtype size changed"), "pandas")
     assert message.startswith("pandas 2.2.3 failed to import (numpy.dtype size changed)")
-    assert "installed: numpy 2.4.6, pandas 2.2.3" in message and "Supported versions" in message
+    assert "installed: numpy 2.4.6, pandas 2.2.3" in message and "docs/supported-versions.md" in message
     missing = ModuleNotFoundError("No module named 'pyarrow'", name="pyarrow")
     assert dependencies.import_problem(missing) == "pyarrow is not installed (pip install pyarrow)"
 
@@ -142,7 +142,7 @@ def test_any_other_failed_import_names_the_package_and_the_versions(versions, mo
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "Error: pandas 2.2.3 failed to import (numpy.dtype size changed); installed: numpy 2.4.6, pyarrow 26.0.1, "
-        "pandas 2.2.3; the README's \"Supported versions\" lists the combinations that work"]
+        "pandas 2.2.3; docs/supported-versions.md lists the combinations that work"]
     # The known pair is named before the import is tried.
     versions(numpy="2.4.6", pyarrow="26.0.1", pandas="2.1.4")
     result = CliRunner().invoke(main, ["report", str(tmp_path)])

@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor.cli.commands import main
 from ampdoctor import render
 from ampdoctor.analysis.nonfinite_cause import CAUSES
@@ -130,7 +131,7 @@ def test_nonfinite_weights_is_an_anomaly_with_param_rows(runs, tmp_path):
     steps = frame[frame.kind == "step"].set_index("step")
     assert FAULT < first <= FAULT + 3 and rows.amax.isna().all()
     assert steps.loc[FAULT + 1:first, "skipped"].all() and not steps.loc[FAULT, "skipped"]
-    data = postmortem_data(runs["nonfinite_weights"])
+    data = postmortem_data(read_run(runs["nonfinite_weights"]))
     description = data["event"]["description"]  # a finding: the steps as numbers, worded by the renderers
     assert description.code == "params_nonfinite_after_step" and description.values["checked"] == first
     pm = render.contract(data)
@@ -435,5 +436,5 @@ def test_a_run_of_skipped_steps_names_its_first_steps_origin(tmp_path):
     assert "**later origins**: `D.0` (param\\_grad), 5 steps from 8 to 12, rank 0" in pm.markdown()
     assert "<dt>later origins</dt><dd><code>D.0</code> (param_grad), 5 steps from 8 to 12, rank 0" in pm.html()
     counted = {(o["name"], o["kind"]): (o["first_step"], o["last_step"])
-               for o in render.contract(report_data(path))["overflow_origins"]}
+               for o in render.contract(report_data(read_run(path)))["overflow_origins"]}
     assert counted == {("D.2", "grad_output"): (6, 7), ("D.0", "param_grad"): (8, 12)}

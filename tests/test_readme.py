@@ -1,6 +1,7 @@
 """The README's promises, run as a newcomer would: the quick start in a clean virtual environment,
-and every example output regenerated from its command (``scripts/readme_examples.py``); and the
-documentation's links and metadata keys against the repository and the code."""
+and every example output of the README and the docs/ pages regenerated from its command
+(``scripts/readme_examples.py``); and the documentation's links and metadata keys against the
+repository and the code."""
 
 from __future__ import annotations
 
@@ -37,11 +38,26 @@ def test_quick_start_has_the_two_documented_commands():
 
 
 def test_readme_examples_are_what_the_commands_print():
-    text = README.read_text(encoding="utf-8")
-    found = readme_examples.examples(text)
+    """Every example of the README and of the docs/ pages (the script's own check, which also holds
+    each page with examples to one provenance line)."""
+    found = readme_examples.examples(README.read_text(encoding="utf-8"))
     assert {ex.command for ex in found} >= {QUICK_RUN}, "the quick start's output is not shown"
-    _, stale = readme_examples.refresh(text)
-    assert not stale, f"stale README examples (run python scripts/readme_examples.py): {stale}"
+    checked = readme_examples.pages()
+    assert README in checked and ROOT / "docs" / "guide.md" in checked and ROOT / "docs" / "fp8.md" in checked
+    stale = readme_examples.check(checked)
+    assert not stale, f"stale examples (run python scripts/readme_examples.py): {stale}"
+
+
+def test_every_page_with_examples_is_checked_and_says_where_they_were_generated():
+    """A docs/ page that holds an example is among the checked pages, and every checked page
+    carries exactly one provenance line (cheap: runs no command)."""
+    with_examples = {page for page in (ROOT / "docs").glob("*.md")
+                     if readme_examples.examples(page.read_text(encoding="utf-8"))}
+    assert with_examples and with_examples <= set(readme_examples.pages())
+    for page in readme_examples.pages():
+        text = page.read_text(encoding="utf-8")
+        assert readme_examples.provenance_problem(text, page.name) is None
+    assert readme_examples.provenance_problem("<!-- example: x -->\n```text\ny\n```\n<!-- /example -->\n", "p")
 
 
 # -- the check's tolerances: another CPU's rounding passes, a real change does not ------------------
@@ -137,6 +153,18 @@ def test_rows_out_of_order_by_more_than_rounding_are_stale():
 
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_readme_is_a_front_door_that_links_every_docs_page():
+    """The README stays short (the rest lives under docs/), and it and the docs index link every
+    page of docs/."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 400
+    pages = {page.name for page in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    for linked_from, prefix in [(text, "docs/"), (index, "")]:
+        targets = {target.partition("#")[0] for target in LINK.findall(linked_from)}
+        assert {f"{prefix}{name}" for name in pages} <= targets, sorted(pages - {t.removeprefix(prefix) for t in targets})
 
 
 def _anchors(page: Path) -> set[str]:

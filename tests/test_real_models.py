@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.report import report_data
 from ampdoctor.analysis.simulate import simulate_data
 from ampdoctor.render import contract
@@ -45,7 +46,7 @@ def _train(arch, path, steps, *, lr=0.0, adam=False, loss_factor=1.0, capture=No
         scaler.update()
         opt.zero_grad(set_to_none=True)
     scaler.close()
-    return contract(report_data(path)), scaler.get_scale()
+    return contract(report_data(read_run(path))), scaler.get_scale()
 
 
 def _record_one_step(arch, path, scale, loss_factor=1.0):
@@ -58,7 +59,7 @@ def _record_one_step(arch, path, scale, loss_factor=1.0):
 
 
 def _param_rows(path):
-    return {r["name"]: r for r in report_data(path)["layers"] if r["kind"] == "param_grad"}
+    return {r["name"]: r for r in report_data(read_run(path))["layers"] if r["kind"] == "param_grad"}
 
 
 def _tolerance(t):
@@ -76,7 +77,7 @@ def test_healthy_scale_underflow_matches_the_fp32_reference(tmp_path, name):
     amp = _record_one_step(arch, path, 2.0**16)
     truth = A.true_underflow(arch, 0, amp)
     assert sum(t.undecided for t in truth.values()) <= 0.01 * sum(t.numel for t in truth.values())
-    report = report_data(path)
+    report = report_data(read_run(path))
     layers = {(r["name"], r["kind"]): r for r in report["layers"]}
     zeros_seen = 0.0
     for param, t in truth.items():
@@ -135,7 +136,7 @@ def test_underflow_from_upstream_lies_within_the_reported_range(tmp_path, scale)
     torch.set_num_threads(1)
     arch = A.build("bert")
     amp = _record_one_step(arch, tmp_path / "run.parquet", scale, loss_factor=1e-3)
-    report = report_data(tmp_path / "run.parquet")
+    report = report_data(read_run(tmp_path / "run.parquet"))
     checked = 0
     for kind, truth in (("param_grad", A.true_underflow(arch, 0, amp, loss_factor=1e-3)),
                         ("grad_output", A.true_output_underflow(arch, 0, scale, loss_factor=1e-3))):
@@ -235,7 +236,7 @@ def test_gradients_zero_everywhere_give_an_underflow_range_not_a_number(tmp_path
     assert rec["verdict"] == "change" and rec["init_scale"] > 1.0
     assert rec["predicted"]["underflow_rate"] is None
     assert any("cannot be called underflow or structure" in a for a in rec["advice"])
-    sim = simulate_data(path, init_scale=4.0)
+    sim = simulate_data(read_run(path), init_scale=4.0)
     assert sim["underflow_rate"] is None
     assert sim["underflow_rate_min"] <= truth[4.0] <= sim["underflow_rate_max"]
     layer = {r["name"]: r for r in sim["layers"]}
@@ -327,7 +328,7 @@ def test_a_bfloat16_run_has_no_undecided_zeros(tmp_path):
         scaler.update()
         opt.zero_grad()
     scaler.close()
-    report = contract(report_data(path))
+    report = contract(report_data(read_run(path)))
     branch = {r["name"]: r for r in report["layers"]}["branch.weight"]
     assert branch["underflow_rate"] == 0 and branch["underflow_rate_max"] == 0
     rec = report["recommendation"]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.findings import Finding
 from ampdoctor.analysis.report import report_data
 from ampdoctor.render import contract
@@ -41,7 +42,7 @@ def test_recommended_settings_help_when_retrained(scenarios, name, tmp_path):
         assert actual < skipped
     else:
         assert actual <= skipped
-    after = report_data(retrained)["recommendation"]["current"]
+    after = report_data(read_run(retrained))["recommendation"]["current"]
     assert after["underflow_rate"] is not None  # at the recommended scale every gradient has magnitudes
     after = after["underflow_rate"]
     before = rec["current"]["underflow_rate_min"]  # the lower bound: what underflowed for sure
@@ -81,7 +82,7 @@ def test_window_too_narrow_for_fp16_advises_bfloat16(tmp_path):
     path = tmp_path / "narrow.parquet"
     train_recorded(path, steps=40, loss_factor=1e4, lr=0.0, init_scale=1.0, growth_interval=5,
                    model_factory=lambda: __import__("models").QuietMLP(quiet=1e-12))
-    report = report_data(path)
+    report = report_data(read_run(path))
     rec = report["recommendation"]
     # The side branch's gradients are 0 at every scale the run reached: the record cannot tell
     # underflow from no gradient, so no layer or setting is claimed to be fine.
@@ -93,7 +94,7 @@ def test_window_too_narrow_for_fp16_advises_bfloat16(tmp_path):
 def test_collapsing_scale_advises_lower_lr_or_clipping(tmp_path):
     path = tmp_path / "diverged.parquet"
     train_recorded(path, steps=60, loss_factor=100.0, init_scale=2.0**10, growth_interval=10)
-    advice = " ".join(contract(report_data(path))["recommendation"]["advice"])
+    advice = " ".join(contract(report_data(read_run(path)))["recommendation"]["advice"])
     assert "learning rate" in advice and "clip_grad_norm_" in advice
     assert "ampdoctor postmortem" in advice  # the non-finite losses
 
@@ -111,7 +112,7 @@ def test_nan_losses_alone_do_not_mean_no_scale_works(tmp_path):
 
     path = tmp_path / "nan.parquet"
     train_recorded(path, steps=40, init_scale=2.0**12, model_factory=NaNEvery10)
-    rec = report_data(path)["recommendation"]
+    rec = report_data(read_run(path))["recommendation"]
     assert rec["verdict"] != "no_scale_works"
     losses = [a for a in rec["advice"] if a.code == "nonfinite_losses"]
     assert losses and losses[0].values["steps"] == 4 and losses[0].values["first"] == 9
@@ -127,7 +128,7 @@ def test_the_collapse_advice_is_given_only_for_a_collapse(tmp_path, options, col
     path = tmp_path / "run.parquet"
     skipped = train_recorded(path, **options)
     assert skipped >= 3
-    advice = " ".join(contract(report_data(path))["recommendation"]["advice"])
+    advice = " ".join(contract(report_data(read_run(path)))["recommendation"]["advice"])
     assert ("the scale collapsed" in advice) == collapsed, advice
 
 

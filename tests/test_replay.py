@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor.analysis.report import report_data
 from ampdoctor.analysis.replay import prepare, replay
 from ampdoctor.analysis.scaler_config import ScalerConfig
@@ -27,7 +28,7 @@ from report_scenarios import SCENARIOS, scenarios, within  # noqa: F401 - the fi
 def test_replaying_the_recorded_settings_predicts_the_skipped_steps(scenarios, name):
     path, skipped, _ = scenarios[name]
     options = {k: v for k, v in SCENARIOS[name].items() if k != "loss_factor"}
-    sim = simulate_data(path, **options)
+    sim = simulate_data(read_run(path), **options)
     assert sim["actual"]["skipped_steps"] == skipped
     assert within(skipped, sim["skipped_steps"], 0.10), (sim["skipped_steps"], skipped)
     for bound in ("underflow_rate_min", "underflow_rate_max"):
@@ -65,15 +66,15 @@ def test_bf16_run_is_asked_about_fp16(tmp_path):
         scaler.update()
         opt.zero_grad()
     scaler.close()
-    sim = simulate_data(path, init_scale=1.0)
+    sim = simulate_data(read_run(path), init_scale=1.0)
     assert sim["target_dtype"] == "float16" and sim["actual"]["config"] is None
     assert sim["underflow_rate_min"] > 0.01  # a 1e-6 loss at scale 1 loses gradients in fp16 ...
-    high = simulate_data(path, init_scale=2.0**20)
+    high = simulate_data(read_run(path), init_scale=2.0**20)
     assert high["underflow_rate_max"] < sim["underflow_rate_min"] / 10  # ... not at 2^20
     assert sim["layers"] and sim["layers"][0]["underflow_rate"] > 0
     assert sim["threshold"]["source"].values["dtype"] == "float16"
     assert any("recorded in bfloat16" in n for n in contract(sim)["notes"])
-    rec = report_data(path)["recommendation"]
+    rec = report_data(read_run(path))["recommendation"]
     assert rec["target_dtype"] == "float16" and rec["init_scale"] >= 2.0**10
 
 
@@ -81,9 +82,9 @@ def test_every_step_skipped_replays_as_skipped(tmp_path):
     path = tmp_path / "all.parquet"
     skipped = train_recorded(path, steps=20, loss_factor=1e20)
     assert skipped == 20
-    sim = simulate_data(path)
+    sim = simulate_data(read_run(path))
     assert sim["skipped_steps"] == 20 == sim["actual"]["skipped_steps"]
-    assert report_data(path)["recommendation"]["verdict"] != "keep"
+    assert report_data(read_run(path))["recommendation"]["verdict"] != "keep"
 
 
 # -- the simulator against torch's own scaler update ---------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import ampdoctor
+from ampdoctor.read.run import read_run
 from ampdoctor import render
 from ampdoctor.analysis.report import report_data
 from ampdoctor.analysis.run_analysis import analyse
@@ -74,9 +75,9 @@ def test_report_reads_only_the_columns_it_needs(scenarios, monkeypatch):
         raise AssertionError("report_data loaded every column")
 
     monkeypatch.setattr(Run, "frame", property(forbidden))
-    assert report_data(scenarios["underflow"][0])["layers"]
-    assert analyse(scenarios["underflow"][0]).level == "params"
-    assert len(analyse(scenarios["underflow"][0]).series) == STEPS
+    assert report_data(read_run(scenarios["underflow"][0]))["layers"]
+    assert analyse(read_run(scenarios["underflow"][0])).level == "params"
+    assert len(analyse(read_run(scenarios["underflow"][0])).series) == STEPS
 
 
 def test_sampled_statistics_stand_in_for_the_steps_between(scenarios, tmp_path):
@@ -86,9 +87,9 @@ def test_sampled_statistics_stand_in_for_the_steps_between(scenarios, tmp_path):
         # Estimates on both sides (measure_every=0; measured steps are test_underflow_probe.py's).
         sampled_path, dense_path = tmp_path / f"{name}-sampled.parquet", tmp_path / f"{name}.parquet"
         train_recorded(sampled_path, steps=STEPS, measure_every=0, **SCENARIOS[name])
-        sampled = report_data(sampled_path)
+        sampled = report_data(read_run(sampled_path))
         train_recorded(dense_path, steps=STEPS, every=1, measure_every=0, **SCENARIOS[name])
-        dense = report_data(dense_path)
+        dense = report_data(read_run(dense_path))
         a, b = dense["recommendation"], sampled["recommendation"]
         assert a["init_scale"] == b["init_scale"], name
         assert a["predicted"]["skipped_steps"] == b["predicted"]["skipped_steps"], name
@@ -105,7 +106,7 @@ def test_sampled_statistics_stand_in_for_the_steps_between(scenarios, tmp_path):
 
 def test_the_run_info_keeps_the_contract_types(scenarios):
     """Scales and factors as floats, the interval as an int, whatever the metadata's text."""
-    scaler = report_data(scenarios["periodic_overflow"][0])["run"]["scaler"]
+    scaler = report_data(read_run(scenarios["periodic_overflow"][0]))["run"]["scaler"]
     assert scaler["init_scale"] == 2.0**16 and isinstance(scaler["init_scale"], float)
     assert isinstance(scaler["growth_factor"], float) and isinstance(scaler["backoff_factor"], float)
     assert scaler["growth_interval"] == 10 and isinstance(scaler["growth_interval"], int)
@@ -116,7 +117,7 @@ def test_the_run_info_keeps_the_contract_types(scenarios):
 def test_steps_level_run_reports_what_it_has(tmp_path):
     path = tmp_path / "steps.parquet"
     train_recorded(path, steps=20, init_scale=2.0**24, level="steps", escalate_steps=0)
-    data = report_data(path)
+    data = report_data(read_run(path))
     report = render.contract(data)
     assert report["layers"] == [] and "level='steps'" in report["missing"]["layers"]
     assert report["scale"]["skipped_steps"] >= 5
@@ -129,7 +130,7 @@ def test_steps_level_run_reports_what_it_has(tmp_path):
 def test_a_single_step_run_says_not_enough_data(tmp_path):
     path = tmp_path / "one.parquet"
     train_recorded(path, steps=1)
-    data = report_data(path)
+    data = report_data(read_run(path))
     assert data["recommendation"] is None
     assert "not enough data" in render.contract(data)["missing"]["recommendation"]
     assert "not enough data" in render.report(data, "text")
@@ -142,7 +143,7 @@ def test_killed_run_still_reports_with_a_warning(tmp_path):
              if __import__("pyarrow.parquet").parquet.read_schema(p).metadata.get(b"ampdoctor.final") == b"true"]
     for p in final:
         p.unlink()  # as if the process died before close()
-    report = render.contract(report_data(path))
+    report = render.contract(report_data(read_run(path)))
     assert any("did not end with close()" in w for w in report["warnings"])
     assert report["scale"]["skipped_steps"] >= 5
 
@@ -169,7 +170,7 @@ def test_multi_rank_run_reads_as_one(tmp_path):
     from report_speed import write_synthetic_run
 
     steps = write_synthetic_run(tmp_path / "ranks.parquet", 40_000, 4)
-    report = report_data(tmp_path / "ranks.parquet")
+    report = report_data(read_run(tmp_path / "ranks.parquet"))
     assert report["run"]["ranks"] == 4 and report["run"]["steps"] == steps == 100
     assert len(report["layers"]) == 99
     check_contract(json.loads(render.to_json(report)), REPORT_CONTRACT)
@@ -206,7 +207,7 @@ def test_unreadable_runs_are_one_line_errors(tmp_path, damage, message):
 def test_scale_collapsed_to_zero_keeps_rates_finite(tmp_path):
     path = tmp_path / "zero.parquet"
     train_recorded(path, steps=160, loss_factor=1e20, init_scale=1.0)  # 150 backoffs: the scale reaches 0
-    report = report_data(path)
+    report = report_data(read_run(path))
     assert report["scale"]["min"] == 0.0
     assert all(layer["underflow_rate"] is None or math.isfinite(layer["underflow_rate"])
                for layer in report["layers"])
@@ -217,9 +218,9 @@ def test_run_ending_on_a_skipped_step_keeps_its_step_range(tmp_path):
     """The anomaly flush leaves an empty final segment; the heatmap still spans every step."""
     path = tmp_path / "end.parquet"
     train_recorded(path, steps=30, init_scale=2.0**24, level="full")
-    a = analyse(path)
+    a = analyse(read_run(path))
     assert a.run.step_range() == (0, 29)
-    heat = report_data(path)["charts"]["heatmap"]
+    heat = report_data(read_run(path))["charts"]["heatmap"]
     assert heat["steps"][0] == 0 and len(heat["steps"]) == 30
     assert all(v is None or math.isfinite(v) for row in heat["high"] for v in row)
 
@@ -241,7 +242,7 @@ def test_segments_missing_new_columns_still_report(scenarios, tmp_path):
     for command in ("report", "simulate", "layers"):
         result = CliRunner().invoke(main, [command, str(dst)])
         assert result.exit_code == 0, result.output
-    assert report_data(dst)["overflow_origins"]
+    assert report_data(read_run(dst))["overflow_origins"]
 
 
 def test_step_rows_without_a_scale_are_left_out_with_a_warning(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from ampdoctor.read.run import read_run
 from ampdoctor import render
 from ampdoctor.analysis.report import report_data
 from ampdoctor.render import charts
@@ -46,7 +47,7 @@ def many(tmp_path_factory):
     """The report data of a 12-step run of :class:`ManyLayers` (200 parameter gradients)."""
     path = tmp_path_factory.mktemp("many") / "many.parquet"
     train_recorded(path, steps=12, model_factory=ManyLayers)
-    return report_data(path)
+    return report_data(read_run(path))
 
 
 # -- the answer first -------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def test_heatmap_ticks_at_round_steps_and_the_low_panel_at_the_sampled_steps(sce
 def test_every_step_sampled_draws_the_low_panel_on_the_step_axis(tmp_path):
     path = tmp_path / "dense.parquet"
     train_recorded(path, steps=30, every=1, init_scale=2.0**8)
-    fig, note = charts.heatmap_figure(report_data(path)["charts"])
+    fig, note = charts.heatmap_figure(report_data(read_run(path))["charts"])
     assert _xticks(fig.axes[0]) == _xticks(fig.axes[1]) and "only the" not in note
     assert all(int(t) % 5 == 0 for t in _xticks(fig.axes[1]))
 
@@ -218,7 +219,7 @@ def test_the_postmortem_chart_puts_each_series_on_its_own_axis(tmp_path):
     path = tmp_path / "nan.parquet"
     train_with_faults(path, MLP(), steps=20, corrupt_batch=lambda i, x, y: (x * float("nan"), y) if i == 15
                       else (x, y))
-    pm = render.contract(postmortem_data(path))
+    pm = render.contract(postmortem_data(read_run(path)))
     assert pm["status"] == "nonfinite" and pm["first_nonfinite_step"] == 15
     fig = charts.timeline_figure(pm["timeline"])
     axes = fig.axes
@@ -231,7 +232,7 @@ def test_the_postmortem_chart_puts_each_series_on_its_own_axis(tmp_path):
         assert drawn == finite  # on its own scale: the values themselves
     # The event step (non-finite loss) is marked on every axis.
     assert all(any(list(line.get_xdata()) == [15, 15] for line in ax.get_lines()) for ax in axes)
-    assert "each on its own axis" in render.postmortem(postmortem_data(path), "html")
+    assert "each on its own axis" in render.postmortem(postmortem_data(read_run(path)), "html")
 
 
 def test_the_postmortem_page_leads_with_what_to_change(tmp_path):
@@ -244,7 +245,7 @@ def test_the_postmortem_page_leads_with_what_to_change(tmp_path):
     path = tmp_path / "nan.parquet"
     train_with_faults(path, MLP(), steps=20, corrupt_batch=lambda i, x, y: (x * float("nan"), y) if i == 15
                       else (x, y))
-    data = postmortem_data(path)
+    data = postmortem_data(read_run(path))
     assert render.contract(data)["advice"]
     where = measure(render.postmortem(data, "html"), tmp_path,
                     {"verdict": "#verdict", "advice": "#advice li", "timeline": "#timeline"})

@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from ampdoctor.float_formats import BFLOAT16, FLOAT16, FLOAT32, float_format
 from ampdoctor.stats import ALGORITHMS, FULL_ALGORITHMS, HostStats, SlotLayouts, full_stats, light_stats, tensor_peaks
 from ampdoctor.stats import full as full_module, light as light_module
-from ampdoctor.stats.full import SLOT_STRIDE
+from ampdoctor.stats.full_results import SLOT_STRIDE
 
 MIN_EXP, BINS = -56, 64
 # The full statistics' algorithms; triton's kernels run on CPU tensors under Triton's interpreter

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ampdoctor.read.run import read_run
 import ampdoctor
 from models import MLP, batches, mse
 
@@ -51,7 +52,7 @@ def test_low_scale_shows_underflow_high_scale_shows_none(tmp_path):
 
 def _layer_rates(path):
     from ampdoctor.analysis.layers import layers_data
-    return {r["name"]: r for r in layers_data(path)["layers"] if r["kind"] == "param_grad"}
+    return {r["name"]: r for r in layers_data(read_run(path))["layers"] if r["kind"] == "param_grad"}
 
 
 def test_underflow_rate_matches_an_fp32_reference(tmp_path):

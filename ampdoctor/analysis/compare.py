@@ -31,12 +31,11 @@ assumes run B is run A's training again with new settings; it cannot tell anothe
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
 from ..errors import RunError
-from ..read.run import Run, read_run
+from ..read.run import Run
 from .contract_fields import finite_or_none
 from .findings import Finding
 from .replay import actual_outcome
@@ -51,15 +50,11 @@ REPLAY_FORMAT = "float16"      # the format the replay predicts for (analysis/ru
 UNDERFLOW_SLACK = 1e-3         # underflow ranges this close (0.1 percentage points) hold
 UNDERFLOW_KEYS = ("underflow_rate", "underflow_rate_min", "underflow_rate_max")
 
-RunLike = Run | str | os.PathLike
-
-
-def compare_data(run_a: RunLike, run_b: RunLike, run_id_a: str | None = None,
-                 run_id_b: str | None = None) -> dict:
+def compare_data(run_a: Run, run_b: Run) -> dict:
     """``ampdoctor compare``'s data (the ``compare`` contract of docs/json-contracts.md, with
     findings for its sentences, and a ``charts`` key for the HTML renderer)."""
-    a, report_a = _read(run_a, run_id_a)
-    b, report_b = _read(run_b, run_id_b)
+    a, report_a = _read(run_a)
+    b, report_b = _read(run_b)
     side_a, side_b = _side(a, report_a), _side(b, report_b)
     warnings: list = []
     if a.amp.name == b.amp.name == REPLAY_FORMAT:
@@ -82,8 +77,7 @@ def compare_data(run_a: RunLike, run_b: RunLike, run_id_a: str | None = None,
             "charts": {"a": _curves(a), "b": _curves(b)}}
 
 
-def _read(run: RunLike, run_id: str | None) -> tuple[Analysis, dict]:
-    run = run if isinstance(run, Run) else read_run(run, run_id)
+def _read(run: Run) -> tuple[Analysis, dict]:
     a = analyse(run)
     if not len(a.series):
         raise RunError(f"{run.path}: not enough data to compare: the run has no step rows")

@@ -3,7 +3,6 @@ sorted and cut (:func:`layers_data`); the same rows are the ``layers`` of the re
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pandas as pd
@@ -17,7 +16,7 @@ from .run_analysis import analyse
 SORTS = {"underflow": ("underflow_rate", False), "headroom": ("headroom_log2", True), "amax": ("amax", False)}
 
 
-def layers_data(run: Run | str | os.PathLike, sort: str = "underflow", top: int | None = None) -> dict:
+def layers_data(run: Run, sort: str = "underflow", top: int | None = None) -> dict:
     """``ampdoctor layers``'s data (docs/json-contracts.md)."""
     a = analyse(run)
     warnings = list(a.warnings)  # segments skipped, values ignored: rows the table does not hold

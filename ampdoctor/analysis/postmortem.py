@@ -10,7 +10,6 @@ lost :data:`NOTE_UNDERFLOW_RATE` of its gradient elements to underflow, its advi
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pandas as pd
@@ -37,7 +36,7 @@ NOTE_UNDERFLOW_RATE = 0.01
 
 
 
-def postmortem_data(run: Run | str | os.PathLike) -> dict:
+def postmortem_data(run: Run) -> dict:
     """``ampdoctor postmortem``'s data (the ``postmortem`` contract of docs/json-contracts.md)."""
     a = analyse(run)
     steps = _per_rank_steps(a)

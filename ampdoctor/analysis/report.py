@@ -9,7 +9,6 @@ The rows of the anomalous steps are read for the origins; the rest comes from :f
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pandas as pd
@@ -29,7 +28,7 @@ MAX_ORIGIN_STEPS = 2000   # anomalous steps whose rows are read for the origins 
 HEATMAP_LAYERS = 40
 
 
-def report_data(run: Run | str | os.PathLike | Analysis) -> dict:
+def report_data(run: Run | Analysis) -> dict:
     """``ampdoctor report``'s data (the contract, plus ``charts``); from a run, or from its
     :class:`Analysis` when the caller has one (``compare``)."""
     a = run if isinstance(run, Analysis) else analyse(run)

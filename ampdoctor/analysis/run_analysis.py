@@ -7,7 +7,6 @@ Reads only the columns each part needs: the step rows and every other row in one
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..float_formats import FLOAT16, FloatFormat, float_format
-from ..read.run import Run, read_run
+from ..read.run import Run
 from ..run_file.schema import (HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE, META_DEVICE, META_HIST_BINS, META_HIST_MIN_EXP,
                       META_LEVEL, META_SCALER_ENABLED, MODULE_KINDS, meta_number)
 from .findings import Finding
@@ -58,9 +57,8 @@ class Analysis:
         return self.run.metadata.get(META_LEVEL) == "full"
 
 
-def analyse(run: Run | str | os.PathLike) -> Analysis:
-    """Read a run and derive the step series, the layer scan and the calibrated replay."""
-    run = run if isinstance(run, Run) else read_run(run)
+def analyse(run: Run) -> Analysis:
+    """The step series, the layer scan and the calibrated replay of a read run."""
     meta = run.metadata
     amp, min_exp, bins = recorded_binning(meta)
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)

@@ -4,7 +4,6 @@ predicted at the replayed scales."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pandas as pd
@@ -23,7 +22,7 @@ LAYER_COLUMNS = ["step", "rank", "kind", "name", "scale", "numel", "n_zero", "n_
                  "n_zero_lines", "n_underflow"]
 
 
-def simulate_data(run: Run | str | os.PathLike, **settings) -> dict:
+def simulate_data(run: Run, **settings) -> dict:
     """``ampdoctor simulate``'s data (docs/json-contracts.md): the replay of one configuration
     next to what the run did. ``settings``: init_scale, growth_factor, backoff_factor,
     growth_interval, hysteresis, min_scale, max_scale; the ones not given are the run's own

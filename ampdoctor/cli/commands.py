@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 from ..version import __version__
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 from ..dependencies import check as check_dependencies, failed_import, import_problem
+from ..commands import COMMANDS
 from ..errors import AmpdoctorError, one_line
 
 
@@ -83,6 +84,12 @@ class Scale(click.ParamType):
         if not (number > 0 or (self.allow_zero and number == 0)) or number != number:
             self.fail(f"{value!r} must be {'>= 0' if self.allow_zero else '> 0'}", param, ctx)
         return number
+
+
+def _command(name: str, *runs: Run, fmt: str, analysis: dict | None = None, **display) -> str:
+    """Command ``name`` (:data:`ampdoctor.commands.COMMANDS`) on read runs, rendered in ``fmt``."""
+    command = COMMANDS[name]
+    return command.render(command.analyse(*runs, **(analysis or {})), fmt, **display)
 
 
 def output_format(*choices: str):
@@ -175,10 +182,7 @@ def _color() -> bool:
 def report(run: Run, fmt: str, top: int, output: str | None) -> None:
     """What happened to the loss scale, which layers underflow or lack headroom, where overflows
     came from, and which GradScaler settings to use instead."""
-    from .. import render
-    from ..analysis.report import report_data
-
-    _emit(render.report(report_data(run), fmt, color=output is None and _color(), top=top), output)
+    _emit(_command("report", run, fmt=fmt, color=output is None and _color(), top=top), output)
 
 
 @main.command()
@@ -207,14 +211,11 @@ def report(run: Run, fmt: str, top: int, output: str | None) -> None:
 def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
     """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
     underflow, next to what the run actually did."""
-    from .. import render
-    from ..analysis.simulate import simulate_data
-
     try:
-        data = simulate_data(run, **settings)
+        data = COMMANDS["simulate"].analyse(run, **settings)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    _emit(render.simulate(data, fmt), output)
+    _emit(COMMANDS["simulate"].render(data, fmt), output)
 
 
 @main.command()
@@ -227,10 +228,7 @@ def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
 @library_errors
 def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -> None:
     """The per-layer table: underflow, zero and subnormal rates, headroom, amax and amin."""
-    from .. import render
-    from ..analysis.layers import layers_data
-
-    _emit(render.layers(layers_data(run, sort, top), fmt), output)
+    _emit(_command("layers", run, analysis={"sort": sort, "top": top}, fmt=fmt), output)
 
 
 @main.command()
@@ -241,10 +239,7 @@ def layers(run: Run, sort: str, top: int | None, fmt: str, output: str | None) -
 def postmortem(run: Run, fmt: str, output: str | None) -> None:
     """Why the loss (or the parameters) went non-finite: the first event, its cause and origin,
     the steps that led there, and what to change. Exit 0 either way; `status` says which."""
-    from .. import render
-    from ..analysis.postmortem import postmortem_data
-
-    _emit(render.postmortem(postmortem_data(run), fmt, color=output is None and _color()), output)
+    _emit(_command("postmortem", run, fmt=fmt, color=output is None and _color()), output)
 
 
 @main.command()
@@ -262,10 +257,8 @@ def fp8(run: Run, fmt: str, flush_limit: float, top: int, output: str | None) ->
     """FP8 readiness: which GEMM layers (Linear) can train in FP8 with TransformerEngine or torchao,
     which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling.
     Needs a run recorded with level='full' and model=."""
-    from ..analysis.fp8 import fp8_data
-    from ..render.fp8 import render_fp8
-
-    _emit(render_fp8(fp8_data(run, flush_limit=flush_limit), fmt, color=output is None and _color(), top=top), output)
+    _emit(_command("fp8", run, analysis={"flush_limit": flush_limit}, fmt=fmt, color=output is None and _color(),
+                   top=top), output)
 
 
 @main.command()
@@ -284,12 +277,10 @@ def compare(run_a: str, run_b: str, run_id_a: str | None, run_id_b: str | None, 
             output: str | None) -> None:
     """Two runs side by side: skipped steps, loss scale, underflow, per-layer changes, and, when RUN_B
     used the settings RUN_A's report recommended, whether its prediction held."""
-    from .. import render
-    from ..analysis.compare import compare_data
     from ..read.run import read_run
 
     runs = read_run(run_a, run_id_a), read_run(run_b, run_id_b)  # both paths checked before any analysis
-    _emit(render.comparison(compare_data(*runs), fmt, color=output is None and _color(), top=top), output)
+    _emit(_command("compare", *runs, fmt=fmt, color=output is None and _color(), top=top), output)
 
 
 @main.command()
@@ -425,18 +416,10 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
         if settings_from:
             click.echo(f"Check the recommendation with:\n  ampdoctor compare {settings_from} {result.path}")
         return
-    from .. import render
+    from ..read.run import read_run
 
-    if explained_by == "postmortem":
-        from ..analysis.postmortem import postmortem_data
-        text = render.postmortem(postmortem_data(result.path), "text", color=_color())
-    elif explained_by == "fp8":
-        from ..analysis.fp8 import fp8_data
-        from ..render.fp8 import render_fp8
-        text = render_fp8(fp8_data(result.path), "text", color=_color())
-    else:
-        from ..analysis.report import report_data
-        text = render.report(report_data(result.path), "text", color=_color())
+    text = _command(explained_by if explained_by in ("postmortem", "fp8") else "report", read_run(result.path),
+                    fmt="text", color=_color())
     click.echo(f"Wrote {result.path}.\n")
     click.echo(text)
 

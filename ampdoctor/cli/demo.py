@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from ..analysis.scaler_config import TORCH_SETTINGS, ScalerConfig
 from ..errors import AmpdoctorError, RecorderError, RunError
+from ..run_file.names import is_written_by_ampdoctor
 from .scenarios import CPU_STEPS, CUDA_STEPS, DEFAULT_PATH, SCENARIOS
 
 STEPS_AFTER_FAULT = 4   # the nan scenario trains on this many steps after the event, as a real run would
@@ -118,13 +119,9 @@ def clear_previous_run(path: str | os.PathLike) -> None:
     if not os.path.lexists(path):
         return
     entries = os.listdir(path) if os.path.isdir(path) and not os.path.islink(path) else None
-    if entries is None or not all(_is_segment(name) for name in entries):
+    if entries is None or not all(is_written_by_ampdoctor(name) for name in entries):
         raise DemoError(f"{os.fspath(path)}: exists and is not an ampdoctor run; choose another output path")
     shutil.rmtree(path)
-
-
-def _is_segment(name: str) -> bool:
-    return name.startswith(("part-", ".part-")) and name.endswith((".parquet", ".parquet.tmp"))
 
 
 @contextlib.contextmanager

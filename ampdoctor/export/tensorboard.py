@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ..errors import AmpdoctorError
-from ..read.run import Run, read_run
+from ..read.run import Run
 from ..run_file.schema import META_RUN_ID
 from .series import layer_points, layout, step_scalars
 
@@ -25,14 +25,13 @@ def rank_dir(logdir: str | os.PathLike, rank: int) -> Path:
     return Path(logdir) / f"rank{rank}"
 
 
-def export_tensorboard(run: Run | str | os.PathLike, logdir: str | os.PathLike) -> dict:
+def export_tensorboard(run: Run, logdir: str | os.PathLike) -> dict:
     """Write ``run`` as TensorBoard event files under ``logdir`` (``rank{N}/`` per rank). Returns
     what was written: ``{"path", "run_id", "logdir", "ranks": [{"rank", "dir", "steps", "scalars",
     "histograms"}]}`` (counts of points). Raises :class:`AmpdoctorError` when tensorboard is not
     installed, or when a rank's directory already holds event files (TensorBoard would show both
     exports as one run)."""
     summary_writer = _summary_writer_class()
-    run = run if isinstance(run, Run) else read_run(run)
     earlier = sorted(Path(logdir).glob(f"rank*/{EVENT_PREFIX}*"))
     if earlier:
         raise AmpdoctorError(f"{earlier[0].parent}: already holds TensorBoard event files (TensorBoard would show "

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 from ..errors import RunError, one_line
 from ..run_file.hist_column import BadHistogram, as_hist_column
 from ..run_file.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
-from .segment import BadSegment, ForeignParquet, is_finished_segment, read_segment
+from ..run_file.names import segment_files, temporary_name
+from .segment import BadSegment, ForeignParquet, read_segment
 
 
 @dataclass
@@ -41,7 +42,7 @@ def migrate_run(path: str | os.PathLike) -> Migration:
     that holds no segment, or when the installed pyarrow cannot read a version 1 segment."""
     root = Path(path)
     if root.is_dir():
-        files = sorted(p for p in root.iterdir() if is_finished_segment(p))
+        files = segment_files(root.iterdir())
     elif root.is_file():
         files = [root]
     else:
@@ -80,7 +81,7 @@ def _rewrite(file: Path, bins: int) -> None:
     table = table.replace_schema_metadata(metadata)
     # Hidden and named as the writer names its temporaries (readers and `demo --out` know them),
     # with the pid: two migrations at once do not write into one file.
-    temporary = file.with_name(f".{file.stem}-migrate{os.getpid()}{file.suffix}.tmp")
+    temporary = file.with_name(temporary_name(file.name, tag=f"-migrate{os.getpid()}"))
     try:
         pq.write_table(table, temporary, compression="zstd")
         # The file's times and mode kept: readers order two writers of one second by the time

@@ -1,6 +1,7 @@
 """Load and validate a run: a segment directory (or one segment file), any number of ranks;
 one run id chosen, superseded rows marked, the rows read on demand (docs/architecture.md,
-"Reading a run"). Each segment's footer is read and checked in :mod:`ampdoctor.segment`.
+"Reading a run"). Each segment's footer is read and checked in :mod:`ampdoctor.read.segment`; the
+directory's names and which run is the latest follow :mod:`ampdoctor.run_file.names`.
 
 Every way a path can fail to be a run raises :class:`RunError` with a one-line message. A
 truncated or half-written segment, or one this process cannot open or read (permission denied, an
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -27,8 +27,8 @@ from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, 
                      META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
                      META_UNWRITTEN_AT_EXIT, META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION,
                      meta_number)
-from .segment import (COLUMN_TYPES, BadSegment, ForeignParquet, Segment, is_finished_segment, read_failure,
-                      read_segment)
+from ..run_file.names import is_temporary_name, runs_oldest_first, segment_files, started_at
+from .segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_failure, read_segment
 
 
 @dataclass
@@ -220,16 +220,6 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     return run
 
 
-def latest_run_id(path: str | os.PathLike) -> str | None:
-    """The id of the latest run at ``path`` from its segments' footers alone (also where the
-    installed pyarrow cannot read their data), or None when there is no run there."""
-    try:
-        _, segments, _ = _located(path, None)
-    except RunError:
-        return None
-    return min(segments, key=_segment_order).metadata.get(META_RUN_ID) or None
-
-
 def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Segment], list[str]]:
     """The segments of one run at ``path`` from their footers (``read_run``'s choice of run), and
     the warnings so far. Raises :class:`RunError` for anything not a run."""
@@ -241,9 +231,9 @@ def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Se
             entries = list(root.iterdir())
         except OSError as exc:
             raise RunError(f"{root}: cannot list the directory ({exc.strerror})") from None
-        files = sorted(p for p in entries if is_finished_segment(p))
+        files = segment_files(entries)
         if not files:
-            unfinished = any(p.name.startswith(".") and p.name.endswith(".tmp") for p in entries)
+            unfinished = any(is_temporary_name(p.name) for p in entries)
             raise RunError(f"{root}: no finished segments (only a segment still being written)"
                            if unfinished else f"{root}: empty directory, not an ampdoctor run")
     elif not root.is_file():
@@ -283,13 +273,10 @@ def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[l
     for seg in segments:
         groups.setdefault(seg.metadata.get(META_RUN_ID, ""), []).append(seg)
 
-    def latest(rid: str) -> tuple[float, float]:
-        return max(_started(s) for s in groups[rid]), max(s.mtime for s in groups[rid])
-
     def started(rid: str) -> str:
         return max((s.metadata.get(META_RUN_STARTED, "") for s in groups[rid]), key=lambda t: t or "") or "?"
 
-    order = sorted(groups, key=latest)
+    order = runs_oldest_first((s.metadata, s.mtime) for s in segments)
     listing = ", ".join(f"{rid or '(no id)'} (started {started(rid)})" for rid in order)
     if run_id is not None:
         matches = [rid for rid in groups if rid == run_id] or [rid for rid in groups if rid.startswith(run_id)]
@@ -323,15 +310,6 @@ def _readable_here(root: Path, segments: list[Segment]) -> tuple[list[Segment], 
     return [s for s in readable if s.hist_bins == bins], warnings
 
 
-def _started(seg: Segment) -> float:
-    """When the process that wrote ``seg`` started (seconds since the epoch; the file's time when
-    the metadata does not say), comparable across time zones."""
-    try:
-        return datetime.strptime(seg.metadata.get(META_RUN_STARTED, ""), "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    except ValueError:
-        return seg.mtime
-
-
 def _supersede(segments: list[Segment]) -> list[str]:
     """Two processes of one run that recorded the same steps on one rank: a run resumed from a
     checkpoint older than where it stopped, or restarted. The later process's rows stand from
@@ -345,7 +323,7 @@ def _supersede(segments: list[Segment]) -> list[str]:
     for key, segs in writers.items():
         known = [s.steps for s in segs if s.steps is not None]
         if known:
-            first = (min(_started(s) for s in segs), min(s.mtime for s in segs))
+            first = (min(started_at(s.metadata, s.mtime) for s in segs), min(s.mtime for s in segs))
             spans[key] = (min(lo for lo, _ in known), max(hi for _, hi in known), first)
     warnings = []
     for rank in sorted({rank for rank, _ in spans}):

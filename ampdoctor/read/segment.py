@@ -52,18 +52,6 @@ class Segment:
         return bins if isinstance(bins, int) else HIST_BINS
 
 
-def is_finished_segment(path: Path) -> bool:
-    """Whether a directory entry is a closed segment: ``*.parquet``, not hidden (a segment being
-    written is ``.NAME.tmp``; names beginning with ``_`` are other tools', as pyarrow's discovery
-    skips them)."""
-    if path.suffix != ".parquet" or path.name.startswith((".", "_")):
-        return False
-    try:
-        return path.is_file()
-    except OSError:  # cannot even stat it (EACCES, EIO): kept, so that reading it skips it, saying why
-        return True
-
-
 class BadSegment(Exception):
     """A damaged or unopenable segment in a run directory: skipped, the rest of the run read."""
 

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from ..errors import RunError
+from ..run_file.names import is_segment_name
 from .run import Run, read_run
 from ..run_file.schema import META_RUN_ID
 
@@ -121,8 +122,7 @@ class RunFollower:
         try:
             if self.path.is_file():
                 return True
-            return self.path.is_dir() and any(
-                p.suffix == ".parquet" and not p.name.startswith((".", "_")) for p in self.path.iterdir())
+            return self.path.is_dir() and any(is_segment_name(p.name) for p in self.path.iterdir())
         except OSError:
             return False
 

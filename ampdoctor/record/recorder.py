@@ -1,19 +1,12 @@
-"""The recorder: what one training iteration observed, handed from the training thread to the writer.
+"""The recorder: wires the recording parts for one scaler and takes its calls.
 
 The scaler calls, per iteration, ``observe_loss`` (from ``scale``), ``observe_grads`` (from
 ``unscale_``/``step``, before torch unscales, so the values are the scaled ones backward produced),
 ``observe_params`` (after ``step``), ``before_update`` and ``after_update``. None of them syncs:
-statistics stay on the device, ``after_update`` starts non-blocking copies into pinned memory,
-seals them with a fence (:mod:`ampdoctor.record.transfer`) and queues the record
-(:mod:`ampdoctor.record.records`); the writer thread waits on the fence and builds rows
-(:mod:`ampdoctor.record.rows`). Every method is guarded: an exception of ours warns once and stops
-recording, and is raised (as :class:`RecorderError`) only with ``strict=True``.
-
-The rooms around it: what each step records (:mod:`ampdoctor.record.plan`), parameters named and grouped
-(:mod:`ampdoctor.record.parameters`), module taps (:mod:`ampdoctor.record.hooks`, calling ``observe_tap``),
-anomalies and the flight recorder (:mod:`ampdoctor.record.anomalies`), the run id and rank
-(:mod:`ampdoctor.record.run_identity`), the segments' metadata (:mod:`ampdoctor.record.run_metadata`), the start
-and end log lines (:mod:`ampdoctor.record.live_status`), and the process's end (:mod:`ampdoctor.record.shutdown`).
+statistics stay on the device and ``after_update`` hands the step to the writer
+(:mod:`ampdoctor.record.handoff`). Every method is guarded: an exception of ours warns once and
+stops recording, and is raised (as :class:`RecorderError`) only with ``strict=True``. The parts it
+wires are listed in :mod:`ampdoctor.record`: each is a module of its own.
 """
 
 from __future__ import annotations
@@ -29,24 +22,26 @@ from typing import Iterable
 
 import torch
 
-from . import shutdown
-from .anomalies import AnomalyWatch
 from ..errors import RecorderError
 from ..float_formats import dtype_name, float_format
+from ..stats import SlotLayouts, full_stats, light_stats
+from . import shutdown
+from .anomalies import AnomalyWatch
 from .gemm_operands import MAX_FINE_HISTS, GemmOperands, is_gemm
+from .handoff import start_copies, step_scalars
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
 from .light_taps import LightTaps, Repeat
 from .live_status import LiveStatus
+from .measured_steps import MeasuredSteps
 from .options import RecordOptions, default_path
+from .param_checks import OptimizerSteps
 from .parameters import ParameterIndex
 from .plan import StepPlan
-from .records import GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObservation, merge_params, pack_scalars
+from .records import GroupRecord, ParamRecord, StepRecord, TapObservation, merge_params
 from .rows import materialize
-from .run_identity import env_run_id, rank_and_world, shared_run_id
+from .run_identity import env_run_id, rank_and_world
 from .run_metadata import RunMetadata
-from ..stats import SlotLayouts, full_stats, light_stats, stats_to_host, tensor_peaks
 from .transfer import HostCopies
-from .underflow_probe import ShadowBackward, stack_counts
 from .writer import RunWriter
 
 MAX_TAP_ROWS_PER_STEP = 100_000  # beyond this (a long forward-only loop between steps) rows are dropped
@@ -58,8 +53,8 @@ def _guarded(method):
     @functools.wraps(method)
     def run(self: "Recorder", *args, **kwargs):
         if not self.active:
-            if self._probe_active:  # (stopped inside a measured step's backward: leave its mode here)
-                self._end_probe()
+            if self._measured.active:  # (stopped inside a measured step's backward: leave its mode here)
+                self._measured.end(self.step)
             return None
         try:
             return method(self, *args, **kwargs)
@@ -88,11 +83,6 @@ class Recorder:
         self._observed: set[int] = set()
         self._groups: list[GroupRecord] = []
         self._loss: torch.Tensor | None = None
-        self._params: list[ParamCheck] = []      # this iteration's parameter checks, per optimizer
-        self._params_checked: set[int] = set()
-        self._param_optimizers: weakref.WeakSet = weakref.WeakSet()  # for the check at the end
-        self._last_param_check = start_step - 1  # the last step whose parameter check was queued
-        self._stepped = False  # an optimizer stepped in the iteration in progress (no update() yet)
         # At exit: is this still the scaler's recorder? And a scaler dropped without close() stops
         # the module taps, whose hooks on the model would otherwise keep this recorder recording.
         self._scaler_ref = weakref.ref(scaler, _when_dropped(weakref.ref(self)))
@@ -116,32 +106,20 @@ class Recorder:
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._plan = StepPlan(options, start_step)
         self._gemm: GemmOperands | None = None  # the GEMM operands FP8 would cast (level="full": gemm_operands.py)
-        # Measured steps: the float32 shadow of the backward (underflow_probe.py), made when the
-        # step is planned, active from scale() to the step's first observe_grads.
-        self._probe: ShadowBackward | None = None
-        self._probe_active = False
-        self._warned_probe = False
-        # Whether torch's step() ran each optimizer this iteration (a step pre-hook): torch reads
-        # found_inf on the host for it anyway, so a skip is known before the scalars' copy lands.
-        self._step_hooks: dict[int, tuple] = {}  # id(optimizer) -> (weak reference to it, hook handle)
-        self._optimizers_ran: set[int] = set()
-        self._skipped_on_host = False
-        self._scaler_enabled = scaler.is_enabled()
+        self._measured = MeasuredSteps()  # the float32 shadow backward of measured steps
         self.rank, self.world_size = rank_and_world(options.rank)
         self.run_id = run_id or env_run_id() or uuid.uuid4().hex
-        # A disabled scaler never skips a step, so a non-finite parameter cannot be traced back
-        # over skipped steps to the step that wrote it: check after every step.
-        self._params_every_step = options.check_params == "always" or not scaler.is_enabled()
         inner = unwrap_model(model) if model is not None else None
         self._run_metadata = RunMetadata(scaler, scaler_class, options, device_type=self.device_type,
                                          world_size=self.world_size, model=inner)
         self._compiled = model is not None and is_compiled(model)
         self._parameters = ParameterIndex(
             {id(p): clean_name(n) for n, p in inner.named_parameters()} if inner is not None else {})
+        self._optimizers = OptimizerSteps(self._parameters, options.check_params, scaler.is_enabled(), start_step)
         if inner is not None:
             if self._compiled:
                 if options.level == "full" or self._plan.measure_every:
-                    self._warned_probe = True  # (said here: no second warning at the first measured step)
+                    self._measured.warned = True  # (said here: no second warning at the first measured step)
                     warnings.warn("ampdoctor: the model is compiled with torch.compile; module taps "
                                   "and the measured underflow are off (the estimate stands in), and "
                                   "recording continues at level='params'", RuntimeWarning, stacklevel=4)
@@ -172,8 +150,7 @@ class Recorder:
         """Stop recording after ``exc``: warn once, or raise in strict mode."""
         self.active = False
         self._remove_hooks()
-        if self._probe is not None:  # a flag (this may be an autograd thread): the mode passes every op through;
-            self._probe._drop("recording stopped")  # the training thread leaves it at its next scaler call
+        self._measured.drop("recording stopped")  # (a flag: this may be an autograd thread)
         if threading.current_thread() is threading.main_thread():
             self.writer.close()
         else:  # an autograd device thread (a gradient tap): joining the writer would stall backward
@@ -203,7 +180,7 @@ class Recorder:
         (an abandoned scaler's run must not describe parameters that another scaler went on
         training), and the writer counts what it cannot write in time (writer.py)."""
         self._anomalies.closing = True  # the close writes everything: anomalies found now need no sync of their own
-        self._end_probe()  # (a run closed, or stopped, between scale() and unscale_: leave the shadow backward)
+        self._measured.end(self.step)  # (a run closed, or stopped, between scale() and unscale_: leave the shadow backward)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.active:
             try:
@@ -233,7 +210,7 @@ class Recorder:
         self.step = step
         self._plan.rewind(step)
         self._anomalies.rewind(step)
-        self._last_param_check, self._stepped = step - 1, False
+        self._optimizers.rewind(step)
         self._plan_step()
 
     def use_copies(self, copies: HostCopies) -> None:  # tests: fences whose events complete late
@@ -246,9 +223,7 @@ class Recorder:
 
     def _remove_hooks(self) -> None:
         self._remove_sniff()
-        for _, handle in self._step_hooks.values():
-            handle.remove()
-        self._step_hooks.clear()
+        self._optimizers.remove()
         if self._taps is not None:
             self._taps.remove()
 
@@ -287,50 +262,9 @@ class Recorder:
         Skipped, with one warning, where it cannot run safely: another dispatch mode is active
         (it would sit above ours and could leave first), the model is compiled, or inside
         ``torch.compile``. No sync."""
-        probe = self._probe
-        if probe is None:
-            return
-        roots = [t for t in _tensors(scaled) if t.requires_grad]
-        if not roots:
-            return
-        if not self._probe_active:
-            _leave_orphans()
-            reason = None
-            if torch._C._len_torch_dispatch_stack() > 0:
-                reason = "another TorchDispatchMode is active around the backward"
-            elif torch.compiler.is_compiling() or self._compiled or _compiled_backward(roots):
-                reason = "its backward runs code compiled by torch.compile"
-            if reason is not None:
-                self._probe = None
-                self._warn_probe(f"underflow is not measured in step {self.step}: {reason}")
-                return
-            probe.__enter__()
-            self._probe_active = True
-        for t in roots:
-            probe.seed(t)
-
-    def _end_probe(self) -> None:
-        """Leave the shadow backward (the step's backward is over); its shadows stay readable.
-        If another dispatch mode was entered above it meanwhile, ours cannot leave first: the
-        step's measurement is dropped (warned once) and it leaves when it is on top again. No sync."""
-        if not self._probe_active:
-            return
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if _get_current_dispatch_mode() is not self._probe:
-            if self._probe.dropped:  # (passes everything through: the next recorder's scale() leaves it)
-                self._probe_active = False
-                return
-            self._warn_probe(f"underflow is not measured in step {self.step}: another TorchDispatchMode was "
-                             "entered during its backward and is still active")
-            return
-        self._probe.__exit__(None, None, None)
-        self._probe_active = False
-
-    def _warn_probe(self, why: str) -> None:
-        if not self._warned_probe:
-            self._warned_probe = True
-            warnings.warn(f"ampdoctor: {why} (the estimate stands in; warned once)", RuntimeWarning, stacklevel=4)
+        if self._measured.probe is not None:
+            roots = [t for t in _tensors(scaled) if t.requires_grad]
+            self._measured.start(roots, self.step, self._compiled)
 
     def observe_tap(self, kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
         """Full statistics of a tensor a module tap saw (``output``, or ``grad_output``: still
@@ -348,13 +282,14 @@ class Recorder:
             [t], inv_scale=inv, subnormal_below=float_format(t.dtype).smallest_normal,
             hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins, layouts=self._layouts,
             lines="features"))
-        measured = self._probe.count(tensor) if self._probe_active and kind == "grad_output" else None
+        probe = self._measured.during_backward() if kind == "grad_output" else None
+        measured = probe.count(tensor) if probe is not None else None
         lost = None
         if measured is not None:
             # The magnitudes of what underflowed (underflow_hist): how much of the count may be
             # rounding noise (analysis/calibration.py). A copy, freed here: the backward still
             # reads the shadow.
-            values = self._probe.lost_copy(tensor)
+            values = probe.lost_copy(tensor)
             if values is not None:
                 lost = full_stats([values], inv_scale=inv, subnormal_below=float_format(tensor.dtype).smallest_normal,
                                   hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins)
@@ -378,17 +313,13 @@ class Recorder:
         if id(optimizer) in self._observed:
             return
         self._observed.add(id(optimizer))
-        if not self._watched(optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            # (an optimizer that never ran Optimizer.__init__ takes no hooks: its skips are read
-            # from the device, a step later)
-            handle = optimizer.register_step_pre_hook(ModuleHook(optimizer, self._optimizer_ran))
-            self._step_hooks[id(optimizer)] = (weakref.ref(optimizer), handle)
+        self._optimizers.watch(optimizer)
         full = self._plan.gradient_stats(self.step) == "full"
         per_tensor = self._plan.per_tensor(self.step)
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
-        self._end_probe()
-        probe = self._probe if self._probe is not None and not self._probe_active else None
+        self._measured.end(self.step)
+        probe = self._measured.after_backward()
         groups = self._parameters.gradient_groups(optimizer, check=full)
         for (device, dtype), (names, numels, tensors) in groups.items():
             inv = inv_scale.to(device, non_blocking=True) if inv_scale is not None else None
@@ -407,94 +338,29 @@ class Recorder:
                                   hist_min_exp=self.options.hist_min_exp, hist_bins=self.options.hist_bins)
             self._groups.append(GroupRecord(names, dtype_name(dtype), numels, stats, measured, lost))
 
-    def _watched(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether our step pre-hook is on ``optimizer`` (not on a freed one that had its id)."""
-        entry = self._step_hooks.get(id(optimizer))
-        return entry is not None and entry[0]() is optimizer
-
-    def _optimizer_ran(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        self._optimizers_ran.add(id(optimizer))
-
     @_guarded
     def observe_params(self, optimizer: torch.optim.Optimizer) -> None:
-        """The parameter check, after ``optimizer.step()``: each parameter's peak magnitude (NaN
-        and inf propagate), :func:`~ampdoctor.stats.tensor_peaks` per (device, dtype). Kept on the
-        device; the step's largest rides in its scalars, so a non-finite parameter is an anomaly.
-        Does not sync.
-
-        With ``check_params=True`` this runs on the steps with full gradient statistics (sampled
-        and escalated) and once more when the run closes; with ``"always"`` (or a disabled scaler)
-        after every step. Between checks a non-finite parameter still shows: the next forward's
-        loss is non-finite, the steps skip (parameters unchanged) and the escalated steps check
-        them; ``postmortem`` traces them back over the skipped steps to the step that wrote them."""
-        self._stepped = True
-        if (self._scaler_enabled and id(optimizer) not in self._optimizers_ran and self._watched(optimizer)
-                and not getattr(optimizer, "_step_supports_amp_scaling", False)):
-            self._skipped_on_host = True  # torch's step() saw found_inf and did not run the optimizer
-        if not self.options.check_params or id(optimizer) in self._params_checked:
-            return
-        self._param_optimizers.add(optimizer)
-        if not (self._params_every_step or self._plan.gradient_stats(self.step) == "full"):
-            return
-        self._params_checked.add(id(optimizer))
-        self._params.extend(self._check_params(optimizer))
-
-    def _check_params(self, optimizer: torch.optim.Optimizer) -> list[ParamCheck]:
-        return [ParamCheck(names, numels, tensor_peaks(tensors))
-                for names, numels, tensors in self._parameters.param_groups(optimizer)]
+        """After ``optimizer.step()``: whether it ran, and the parameter check on the steps that
+        have one (:mod:`ampdoctor.record.param_checks`). Does not sync."""
+        self._optimizers.stepped_by(optimizer, self._plan.gradient_stats(self.step) == "full")
 
     def _final_param_check(self) -> None:
         """At the end of the run: check the parameters as they are, unless the step that left
-        them so was checked already. That step is the last one recorded, or the iteration in
-        progress when an optimizer stepped in it but ``update()`` never came (training died in
-        between); its row then carries the last recorded step's scale. After training: may sync."""
-        step = self.step if self._stepped else self.step - 1
+        them so was checked already; its row carries the last recorded step's scale. After
+        training: may sync."""
         scalars = self._anomalies.last_scalars
-        if not self.options.check_params or step <= self._last_param_check or scalars is None:
+        found = self._optimizers.final_check(self.step) if scalars is not None else None
+        if found is None:
             return
-        params = merge_params([p for opt in list(self._param_optimizers) for p in self._check_params(opt)])
-        if params is None:
-            return
+        step, params = found
         params.peaks = self._copies.to_host(params.peaks)
-        self._last_param_check = step
-        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, scalars, params,
-                                    self._copies.seal()))
-
-    def _largest_param_peak(self, device: torch.device) -> tuple[torch.Tensor, bool]:
-        """The largest parameter peak of the iteration on ``device`` (NaN if any is NaN), and
-        whether there was one."""
-        if not self._params:
-            return torch.zeros((), device=device), False
-        maxima = [p.peaks.to(device, non_blocking=True).max() for p in self._params if len(p.names)]
-        if not maxima:
-            return torch.zeros((), device=device), False
-        return torch.stack(maxima).max(), True
+        self.writer.put(ParamRecord(step, self.rank, self.amp_dtype, scalars, params, self._copies.seal()))
 
     @_guarded
     def before_update(self, scaler: torch.amp.GradScaler) -> torch.Tensor | None:
-        """The step's scalars (:func:`~ampdoctor.record.records.pack_scalars`), taken before ``update()``
-        changes the scale in place. No sync."""
-        scale = getattr(scaler, "_scale", None)
-        if not scaler.is_enabled() or scale is None:
-            if self._loss is None and not self._params:
-                return None
-            device = self._loss.device if self._loss is not None else self._params[0].peaks.device
-            peak, has_params = self._largest_param_peak(device)
-            loss = self._loss if self._loss is not None else torch.zeros((), device=device)
-            return pack_scalars(torch.ones_like(loss), torch.zeros_like(loss), loss, peak,
-                                has_loss=self._loss is not None, has_params=has_params)
-        found = [f.to(scale.device, non_blocking=True)
-                 for state in scaler._per_optimizer_states.values()
-                 for f in state["found_inf_per_device"].values()]
-        if not found:
-            return None  # update() without step(): torch raises next, and we record nothing
-        if self._loss is not None:
-            loss = self._loss.to(scale.device, non_blocking=True)
-        else:
-            loss = torch.zeros((), device=scale.device)
-        peak, has_params = self._largest_param_peak(scale.device)
-        return pack_scalars(scale.float(), torch.stack(found).sum(), loss, peak,
-                            has_loss=self._loss is not None, has_params=has_params)
+        """The step's scalars, taken before ``update()`` changes the scale in place
+        (:func:`~ampdoctor.record.handoff.step_scalars`). No sync."""
+        return step_scalars(scaler, self._loss, self._optimizers.checks)
 
     @_guarded
     def after_update(self, scalars: torch.Tensor | None) -> None:
@@ -509,38 +375,16 @@ class Recorder:
         module_stats = self._module_stats
         record = StepRecord(step=self.step, rank=self.rank, per_tensor=self._plan.per_tensor(self.step),
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
-                            taps=taps if module_stats == "full" else [], params=merge_params(self._params))
+                            taps=taps if module_stats == "full" else [], params=merge_params(self._optimizers.checks))
         self._dropped_taps += self._light_taps.dropped
         flight_step = self._light_taps.flight_step(self.step)
-        copy = self._copies.to_host  # non-blocking copies into pinned memory; CPU tensors as they are
         if self._gemm is not None and module_stats is not None:
             self._dropped_taps += self._gemm.dropped  # (beyond the per-step limit: warned below)
             record.gemm = self._gemm.finish(self.step)
-            if record.gemm is not None:
-                _copy_gemm(record.gemm, copy)
-        record.scalars = copy(scalars) if scalars is not None else None
-        items = (*record.groups, *record.taps)
-        lost = [item for item in items if item.lost is not None]
-        copied = stats_to_host([item.stats for item in items] + [item.lost for item in lost], copy)
-        for item, stats in zip(items, copied):
-            item.stats = stats  # (one copy for all the packed statistics of a device)
-        for item, stats in zip(lost, copied[len(items):]):
-            item.lost = stats
-        for group in record.groups:
-            if group.measured is not None:
-                group.measured = copy(group.measured)
-        tap_measured = stack_counts([t.measured for t in record.taps])
-        record.tap_measured = copy(tap_measured) if tap_measured is not None else None
-        self._end_probe()
-        if self._probe is not None and self._probe.dropped:  # (out of memory: freed, and training went on)
+        self._measured.end(self.step)
+        if not self._measured.step_done(self.step):
             self._plan.measure_every = 0
-            self._warn_probe(f"underflow is not measured from step {self.step} on: {self._probe.dropped}; "
-                             "the shadows were freed")
-        if not self._probe_active:
-            self._probe = None  # (its shadows go with it)
-        if record.params is not None:
-            record.params.peaks = copy(record.params.peaks)
-        record.event = self._copies.seal()
+        start_copies(record, self._copies)
         if module_stats is not None and self._taps is not None and self._taps.calls == 0 and self._observed:
             self._compiled = True
             self._taps_off(f"no module tap fired in step {self.step} although gradients were "
@@ -557,17 +401,13 @@ class Recorder:
                           "recorded", RuntimeWarning, stacklevel=3)
         self._dropped_taps = 0
         self._groups, self._loss, self._observed = [], None, set()
-        if self._params:
-            self._last_param_check = self.step  # queued with this step's record
-        self._params, self._params_checked, self._stepped = [], set(), False
         self._backward_scale, self._inv_scales = None, {}
         if not self.writer.put(record) and not self.writer.closed and not self.writer.failed:
             self._step_dropped()
         self._status.started(self.run_id)
         self._anomalies.step_done(self.step, record.scalars, record.event, flight_step,
-                                  skipped_on_host=self._skipped_on_host)
-        self._skipped_on_host = False
-        self._optimizers_ran.clear()
+                                  skipped_on_host=self._optimizers.skipped_on_host)
+        self._optimizers.step_done(self.step)
         self.step += 1
         self._remove_sniff()  # the autocast dtype is known after the first iteration or never
         self._plan_step()
@@ -583,8 +423,7 @@ class Recorder:
         taps = self._taps
         if taps is not None:
             taps.stop()
-        if self._probe is not None:  # (a flag: its mode, if left active, passes every op through)
-            self._probe._drop("the scaler was dropped")
+        self._measured.drop("the scaler was dropped")
 
     def _taps_off(self, why: str) -> None:
         """Stop module taps for good (warning once); the rest of the recording goes on."""
@@ -596,8 +435,7 @@ class Recorder:
     def _plan_step(self) -> None:
         """Decide what the module taps record in the step about to start, and whether its
         underflow is measured; (un)install the taps."""
-        if self._plan.measured(self.step) and not self._probe_active:
-            self._probe = ShadowBackward()
+        self._measured.plan(self._plan.measured(self.step))
         if self._taps is None:
             self._module_stats = None
             return
@@ -612,10 +450,10 @@ class Recorder:
         if self._gemm is not None and self._module_stats is not None:
             self._gemm.start(sampled=self._module_stats == "full")
             observe_input, observe_grad = self._gemm.input, self._gemm.grad
-        if self._probe is not None:  # the taps' own ops must not be shadowed
-            observe = _paused(self._probe, observe or self.observe_tap)
+        if self._measured.probe is not None:  # the taps' own ops must not be shadowed
+            observe = self._measured.paused(observe or self.observe_tap)
             if observe_input is not None:
-                observe_input, observe_grad = _paused(self._probe, observe_input), _paused(self._probe, observe_grad)
+                observe_input, observe_grad = self._measured.paused(observe_input), self._measured.paused(observe_grad)
         self._taps.reset(observe, observe_input, observe_grad)
         if self._module_stats is None:
             self._taps.remove()
@@ -630,52 +468,8 @@ class Recorder:
         return self._run_metadata(amp_dtype=self.amp_dtype, run_id=self.run_id, dropped_steps=self.dropped_steps)
 
 
-def _leave_orphans() -> None:
-    """Leave the shadow modes that a stopped or dropped recorder left on top of this thread's
-    dispatch stack (they pass every op through, at a Python call each). Training thread."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    mode = _get_current_dispatch_mode()
-    while isinstance(mode, ShadowBackward) and mode.dropped:
-        mode.__exit__(None, None, None)
-        mode = _get_current_dispatch_mode()
-
-
-def _compiled_backward(roots: list[torch.Tensor], limit: int = 200_000) -> bool:
-    """Whether the backward of ``roots`` runs a region compiled by ``torch.compile`` (aot_autograd's
-    ``CompiledFunctionBackward``): its kernels bypass the dispatcher and reuse buffers that have
-    shadows, so the shadows would go stale (wrong counts, not missing ones). A walk of the graph:
-    on measured steps only. No sync."""
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: set[int] = set()
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if "CompiledFunction" in type(node).__name__:
-            return True
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return False
-
-
 def _ignore(kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> None:
     """A light step's observer with the flight recorder off (the GEMM operands are observed apart)."""
-
-
-def _paused(probe: ShadowBackward, observe):
-    """``observe`` (a tap's observer) run with ``probe`` paused on the calling thread."""
-    def paused(*args) -> None:
-        with probe.paused():
-            observe(*args)
-    return paused
-
-
-def _copy_gemm(gemm, copy) -> None:
-    """Start the host copies of a step's GEMM operands (non-blocking; no sync)."""
-    gemm.peaks = copy(gemm.peaks)
-    if gemm.hists is not None:
-        gemm.hists, gemm.zeros = copy(gemm.hists), copy(gemm.zeros)
 
 
 def _when_dropped(recorder: "weakref.ref[Recorder]"):
@@ -693,21 +487,3 @@ def _tensors(outputs) -> Iterable[torch.Tensor]:
     elif isinstance(outputs, (list, tuple)):
         for o in outputs:
             yield from _tensors(o)
-
-
-def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, options: RecordOptions, *,
-                 scaler_class: str, start_step: int = 0) -> Recorder | None:
-    """A :class:`Recorder` for this process, or None when its rank is not among ``options.ranks``.
-
-    Every rank of a run shares one ``run.id``: ``$AMPDOCTOR_RUN_ID`` or torchrun's
-    ``$TORCHELASTIC_RUN_ID`` when set, else rank 0's, broadcast. That broadcast is a collective:
-    with ``torch.distributed`` initialized (and no such variable), every rank must create its
-    scaler, recording or not. It happens once, at construction. Rank 0's id is new, except when
-    ``start_step`` > 0 (a resumed run): then it continues the latest run already at the path."""
-    rank, world_size = rank_and_world(options.rank)
-    run_id = shared_run_id(world_size, options.path if start_step > 0 else None, model)
-    if options.ranks is not None and rank not in options.ranks:
-        return None
-    return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
-
-

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from ..run_file.names import latest_run_id as footers_run_id
 
 
 def env_run_id() -> str | None:
@@ -68,11 +69,7 @@ def latest_run_id(path: str | os.PathLike | None) -> str | None:
     """The id of the latest run at ``path`` (the one a resumed run continues), or None."""
     if path is None:
         return None
-    from ..read.run import latest_run_id as footers_run_id  # the reader, lazily: recording does not need it otherwise
-    try:
-        return footers_run_id(path)
-    except Exception:  # noqa: BLE001 - nothing readable there: a new run
-        return None
+    return footers_run_id(path)
 
 
 def rank_and_world(rank: int | None) -> tuple[int, int]:

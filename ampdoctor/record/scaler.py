@@ -19,7 +19,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .options import RecordOptions
-from .recorder import Recorder, recorder_for
+from .recorder import Recorder
+from .run_identity import rank_and_world, shared_run_id
 
 _RECORDER = "_ampdoctor_recorder"
 _STEP_KEY = "ampdoctor.step"
@@ -217,3 +218,19 @@ def unwrap(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
         if type(scaler) is not plain:
             scaler.__class__ = plain
     return scaler
+
+
+def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, options: RecordOptions, *,
+                 scaler_class: str, start_step: int = 0) -> Recorder | None:
+    """A :class:`Recorder` for this process, or None when its rank is not among ``options.ranks``.
+
+    Every rank of a run shares one ``run.id``: ``$AMPDOCTOR_RUN_ID`` or torchrun's
+    ``$TORCHELASTIC_RUN_ID`` when set, else rank 0's, broadcast. That broadcast is a collective:
+    with ``torch.distributed`` initialized (and no such variable), every rank must create its
+    scaler, recording or not. It happens once, at construction. Rank 0's id is new, except when
+    ``start_step`` > 0 (a resumed run): then it continues the latest run already at the path."""
+    rank, world_size = rank_and_world(options.rank)
+    run_id = shared_run_id(world_size, options.path if start_step > 0 else None, model)
+    if options.ranks is not None and rank not in options.ranks:
+        return None
+    return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)

@@ -19,27 +19,34 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from .writer import EXIT_SECONDS, close_all_writers
 
-if TYPE_CHECKING:
-    from .recorder import Recorder
+
+class OpenRun(Protocol):
+    """What the exit handler needs of a recorder: something it can close within a time bound."""
+
+    path: Path
+
+    def close(self, timeout: float | None = None, *, at_exit: bool = False) -> None: ...
+
 
 EXIT_TIMEOUT = EXIT_SECONDS  # seconds the exit may take in all: a hung disk must not hang the exit
 
-_open_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_open_recorders: "weakref.WeakSet[OpenRun]" = weakref.WeakSet()
 _sigterm_installed = False
 _exit_deadline: float | None = None  # set when the exit handler starts: a SIGTERM then gets what is left
 
 
-def opened(recorder: "Recorder") -> None:
+def opened(recorder: OpenRun) -> None:
     """``recorder`` has a run open: finish it at exit, flush it on SIGTERM."""
     _open_recorders.add(recorder)
     _install_sigterm_handler()
 
 
-def closed(recorder: "Recorder") -> None:
+def closed(recorder: OpenRun) -> None:
     _open_recorders.discard(recorder)
 
 

@@ -58,6 +58,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..run_file.hist_column import hist_array
+from ..run_file.names import segment_name, temporary_name
 from ..run_file.schema import FINE_BINS, META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
 
 _CLOSE = object()   # shutdown sentinel
@@ -443,8 +444,8 @@ class RunWriter:
                          META_FINAL: "true" if final else "false", META_RANK: str(self.rank)})
         table = self._pending.to_table(run_schema(metadata), self._hist_bins)
         self.path.mkdir(parents=True, exist_ok=True)
-        name = f"part-r{self.rank:05d}-{self.writer_id}-{self._segment:06d}.parquet"
-        tmp = self.path / f".{name}.tmp"
+        name = segment_name(self.rank, self.writer_id, self._segment)
+        tmp = self.path / temporary_name(name)
         try:
             with pa.OSFile(str(tmp), "wb") as sink:  # closed at once, also when the write fails
                 pq.write_table(table, sink, compression="zstd")

@@ -1,6 +1,6 @@
 """Statistics as numpy arrays on the host, one entry per slot: what rows are built from.
 
-:meth:`FullStats.decode <ampdoctor.stats.full.FullStats.decode>` and
+:meth:`FullStats.decode <ampdoctor.stats.full_results.FullStats.decode>` and
 :meth:`LightStats.decode <ampdoctor.stats.light.LightStats.decode>` make them from host copies;
 reading a tensor that lives on an accelerator would sync, so only the writer thread builds these.
 """

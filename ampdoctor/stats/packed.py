@@ -5,7 +5,7 @@ A module-sampled step makes a few hundred :func:`~.full.full_stats` calls (one p
 With five result tensors each, they were five allocations a call on the device and five
 allocation-and-copy pairs each into pinned host memory at the step's end: on an H100 some 1,000
 copies a step, each a few µs of the training thread's time. Packed, a call allocates once and the
-step copies once (:func:`~.full.stats_to_host` concatenates the buffers on the device first).
+step copies once (:func:`~.full_results.stats_to_host` concatenates the buffers on the device first).
 
 Layout, for ``n`` slots of ``stride`` counts, each field at a multiple of 8 bytes::
 
@@ -15,7 +15,7 @@ Layout, for ``n`` slots of ``stride`` counts, each field at a multiple of 8 byte
     sumsq      float64 [n]
     line_zeros int64   [n]
 
-The kernels of :mod:`.full_triton` write into it through typed pointers at these offsets; the host
+The kernels of :mod:`.full_triton_kernels` write into it through typed pointers at these offsets; the host
 reads it through numpy views (:func:`arrays`), on the writer thread. Nothing here syncs.
 """
 
