@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .errors import AmpdoctorError, RecorderError, RunError
 from .version import __version__
-from .errors import AmpdoctorError, RecorderError, RunError  # noqa: E402
 
 # name → (module, its attribute)
-_LAZY = {"GradScaler": ("record.scaler", "GradScaler"), "wrap": ("record.scaler", "wrap"), "unwrap": ("record.scaler", "unwrap"),
+_LAZY = {"GradScaler": ("record.scaler", "GradScaler"), "wrap": ("record.scaler", "wrap"),
+         "unwrap": ("record.scaler", "unwrap"),
          "load": ("read.run", "load"), "read_run": ("read.run", "read_run"), "Run": ("read.run", "Run"),
          "find_origins": ("analysis.origins", "find_origins"),
          "report": ("commands", "report"), "postmortem": ("commands", "postmortem"),

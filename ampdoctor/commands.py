@@ -118,7 +118,11 @@ class Command:
 
     def analyse(self, *runs: "Run", **options) -> dict:
         """The command's data for read runs. Raises ``ValueError`` for options it cannot use."""
-        return _load(self.analysis)(*runs, **options)
+        return self.analysis_function()(*runs, **options)
+
+    def analysis_function(self) -> Callable[..., dict]:
+        """The analysis itself, imported now (a dependency that fails to import fails here)."""
+        return _load(self.analysis)
 
     def render(self, data: dict, fmt: str, **options) -> str:
         """The command's output in ``fmt`` (``text``, ``md``, ``json``, ``html``)."""

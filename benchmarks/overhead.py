@@ -104,12 +104,23 @@ def _measures() -> bool:
 def _options_module():
     """The imported ampdoctor's options module: ``ampdoctor.record.options``, or ``ampdoctor.options``
     in a tree before the three wings (issue 38); None where neither exists."""
+    return tree_module("ampdoctor.record.options", "ampdoctor.options")
+
+
+def tree_module(*names: str):
+    """The first of ``names`` that the imported ampdoctor's own tree holds, or None. A module from
+    another tree does not count: an editable install's import hook finds ``ampdoctor.record`` in the
+    checkout even when ``ampdoctor`` itself is an older tree put first on ``PYTHONPATH``."""
     import importlib
-    for name in ("ampdoctor.record.options", "ampdoctor.options"):
+    from pathlib import Path
+    root = Path(ampdoctor.__file__).resolve().parent
+    for name in names:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError:
             continue
+        if root in Path(module.__file__).resolve().parents:
+            return module
     return None
 
 

@@ -26,11 +26,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ampdoctor.read.run import read_run
 from ampdoctor import __version__
+from ampdoctor.read.run import read_run
 from ampdoctor.run_file.hist_column import hist_array
-from ampdoctor.run_file.schema import HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION, META_SEGMENT, META_VERSION, \
-    META_WRITER, SCHEMA_VERSION, run_schema
+from ampdoctor.run_file.schema import (HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION, META_SEGMENT,
+                                       META_VERSION, META_WRITER, SCHEMA_VERSION, run_schema)
 
 PARAMS = 99            # parameter rows per step and rank (+1 step row: 100 rows per step and rank)
 STEPS_PER_SEGMENT = 500

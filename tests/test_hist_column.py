@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from ampdoctor.cli.commands import main
-from ampdoctor.run_file.hist_column import (HIST_TYPE, READS_V1_NULLS, BadHistogram, as_hist_column, hist_array, hist_matrix)
+from ampdoctor.run_file.hist_column import (HIST_TYPE, READS_V1_NULLS, BadHistogram, as_hist_column, hist_array,
+                                            hist_matrix)
 from ampdoctor.read.run import read_run
 from ampdoctor.run_file.schema import SCHEMA_VERSION
 
@@ -291,7 +292,7 @@ def test_a_run_resumed_with_other_histogram_bins_skips_those_segments(tmp_path):
 def test_the_histogram_length_is_read_from_the_footer(tmp_path):
     """Version 2's footer statistics give the length, over several row groups, all-null ones and
     none; without statistics the metadata says."""
-    from ampdoctor.read.segment import _hist_statistics, _list_size
+    from ampdoctor.run_file.segment import _hist_statistics, _list_size
 
     column = hist_array([np.ones((3, 16), np.int64), np.full(5, None, dtype=object), np.ones((2, 16), np.int64)], 16)
     table = pa.table({"hist": column})

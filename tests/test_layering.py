@@ -39,6 +39,10 @@ def test_the_layering_contracts_hold():
     ("analysis/steps.py", "from ..render import formatting as _planted", "Analyses never import renderers"),
     ("read/watch.py", "from ..record import writer as _planted", "Reading a run needs no torch and no recorder"),
     ("record/transfer.py", "from . import recorder as _planted", "No import circle"),
+    ("run_file/fine_bins.py", "from .. import float_formats as _fine, errors as _planted", None),
+    ("analysis/origins.py", "from .. import commands as _planted", "two wings over the run file"),
+    ("render/formatting.py", "from ..read import run as _planted", "Renderers are functions of data"),
+    ("integrations/lightning.py", "from ..analysis import report as _planted", "Recording never imports"),
 ])
 def test_a_planted_import_breaks_its_contract(tmp_path, module, planted, contract):
     shutil.copytree(ROOT / "ampdoctor", tmp_path / "ampdoctor", ignore=shutil.ignore_patterns("__pycache__"))
@@ -49,6 +53,9 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, planted, contrac
     at = text.index("from __future__ import annotations\n") + len("from __future__ import annotations\n")
     target.write_text(text[:at] + planted + "\n" + text[at:])
     done = _lint(tmp_path)
+    if contract is None:  # an allowed import (the shared modules sit below the run file): still kept
+        assert done.returncode == 0, done.stdout
+        return
     assert done.returncode != 0
     broken = [line for line in done.stdout.splitlines() if line.rstrip().endswith("BROKEN")]
     assert any(contract in line for line in broken), done.stdout
@@ -93,3 +100,36 @@ def test_every_documented_import_path_works():
             parent, _, attribute = module.rpartition(".")
             imported = getattr(importlib.import_module(parent), attribute)
         assert hasattr(imported, name), f"{module}.{name} is documented but does not exist"
+
+
+# The import paths the README and docs/ gave before the package was laid out in wings (commit
+# a1ee0ab), for users' code: they must keep working. (``ampdoctor.writer.EXIT_SECONDS`` was cited
+# as the source of a figure, not as an API: a re-export would not even serve the one use it could
+# have, patching the bound; the docs now name ``ampdoctor.record.writer.EXIT_SECONDS``.)
+DOCUMENTED_BEFORE = [("ampdoctor.integrations.transformers", "AmpdoctorCallback"),
+                     ("ampdoctor.integrations.lightning", "AmpdoctorCallback"),
+                     ("ampdoctor.integrations.accelerate", "instrument"),
+                     ("ampdoctor.dependencies", "DependencyError"), ("ampdoctor.stats", "full_stats"),
+                     ("ampdoctor.stats", "algorithm_for"), ("ampdoctor.stats", "ALGORITHMS")]
+
+
+@pytest.mark.parametrize("module, name", DOCUMENTED_BEFORE)
+def test_the_import_paths_documented_before_the_wings_still_work(module, name):
+    if module.startswith("ampdoctor.integrations."):
+        pytest.importorskip(module.rsplit(".", 1)[1])
+    assert hasattr(importlib.import_module(module), name)
+
+
+def test_every_command_pairs_an_analysis_with_a_renderer():
+    """``commands.COMMANDS`` names its analyses and renderers by strings (loaded on first use), which
+    import-linter cannot follow: each must resolve, an analysis in ``analysis/`` and a renderer in
+    ``render/``, and the CLI must offer every command."""
+    from click.testing import CliRunner
+
+    from ampdoctor.cli.commands import main
+    from ampdoctor.commands import COMMANDS
+    assert sorted(COMMANDS) == ["compare", "fp8", "layers", "postmortem", "report", "simulate"]
+    for name, command in COMMANDS.items():
+        assert command.analysis.startswith("analysis.") and command.renderer.startswith("render"), name
+        assert callable(command.analysis_function())
+        assert CliRunner().invoke(main, [name, "--help"]).exit_code == 0, name

@@ -10,8 +10,8 @@ import torch
 from ampdoctor.float_formats import FLOAT16
 from ampdoctor.record.hooks import ModuleCall
 from ampdoctor.record.light_taps import LightTaps
-from ampdoctor.record.records import (FlightRecord, GroupRecord, ParamCheck, ParamRecord, StepRecord,
-                               TapObservation, pack_scalars, read_scalars)
+from ampdoctor.record.records import (FlightRecord, GroupRecord, ParamCheck, ParamRecord, StepRecord, TapObservation,
+                                      pack_scalars, read_scalars)
 from ampdoctor.record.rows import materialize
 from ampdoctor.run_file.schema import HIST_BINS, run_schema
 from ampdoctor.stats import full_stats, light_stats

@@ -249,7 +249,7 @@ def test_ranks_that_cannot_share_a_run_id_are_warned_about(run_path, monkeypatch
     assert any("cannot agree on one run id" in str(w.message) for w in caught)
 
 
-# -- one segment's footer (ampdoctor.segment), without recording ----------------------------------------
+# -- one segment's footer (ampdoctor.run_file.segment), without recording ----------------------------------------
 
 def _segment_file(path, metadata, steps=(3, 4, 5), version=2):
     """A hand-written segment of step rows, with ``metadata`` (strings) in its footer."""
@@ -274,7 +274,7 @@ def _segment_file(path, metadata, steps=(3, 4, 5), version=2):
 
 def test_a_segment_is_read_from_its_footer_and_its_bad_metadata_ignored(tmp_path):
     from ampdoctor.run_file.schema import META_AMP_DTYPE, META_GROWTH_INTERVAL, META_HIST_BINS, META_INIT_SCALE
-    from ampdoctor.read.segment import read_segment
+    from ampdoctor.run_file.segment import read_segment
 
     bad = {META_INIT_SCALE: "-1", META_GROWTH_INTERVAL: "2000", META_AMP_DTYPE: "float8", META_HIST_BINS: "32"}
     path = _segment_file(tmp_path / "part.parquet", bad)
@@ -293,7 +293,7 @@ def test_a_segment_is_read_from_its_footer_and_its_bad_metadata_ignored(tmp_path
 
 
 def test_a_damaged_segment_is_a_run_error_alone_and_skippable_in_a_directory(tmp_path):
-    from ampdoctor.read.segment import BadSegment, ForeignParquet, read_segment
+    from ampdoctor.run_file.segment import BadSegment, ForeignParquet, read_segment
 
     path = _segment_file(tmp_path / "part.parquet", {})
     path.write_bytes(path.read_bytes()[:-10])
@@ -305,3 +305,33 @@ def test_a_damaged_segment_is_a_run_error_alone_and_skippable_in_a_directory(tmp
     pd.DataFrame({"a": [1]}).to_parquet(other)
     with pytest.raises(ForeignParquet):
         read_segment(other, single=False)
+
+
+def test_a_resumed_recording_continues_the_run_the_reader_reads(run_path):
+    """The run a recording resumes (``start_step`` > 0) is the one ``read_run`` reads by default:
+    both take the latest run by one rule (``run_file.names``), from the footers the reader accepts.
+    A later-started segment the reader skips (a column of another type) is no run to continue."""
+    from pathlib import Path
+
+    from ampdoctor.run_file.names import latest_run_id
+
+    record(run_path, steps=4)
+    first = read_run(run_path).metadata["run.id"]
+    table = pq.read_table(sorted(Path(run_path).glob("*.parquet"))[0])
+    meta = dict(table.schema.metadata)
+    meta.update({b"run.id": b"skipped-run", b"run.started": b"2099-01-01T00:00:00+0000"})
+    step = table.schema.get_field_index("step")
+    bad = table.set_column(step, "step", pa.array([str(s) for s in table["step"].to_pylist()]))
+    pq.write_table(bad.replace_schema_metadata(meta), Path(run_path) / "part-r00000-later-000000.parquet")
+    assert read_run(run_path).metadata["run.id"] == first
+    assert latest_run_id(run_path) == first
+    record(run_path, steps=2, start_step=4)  # resumed: the same run, its step numbers continued
+    run = read_run(run_path)
+    assert run.metadata["run.id"] == first
+    assert sorted(run.frame.loc[run.frame.kind == "step", "step"]) == [0, 1, 2, 3, 4, 5]
+    # a newer schema version than this ampdoctor reads: the reader refuses it, a resume starts anew
+    newer = {**meta, META_SCHEMA_VERSION.encode(): b"99", b"run.id": b"newer-run"}
+    for f in Path(run_path).glob("*.parquet"):
+        f.unlink()
+    pq.write_table(table.replace_schema_metadata(newer), Path(run_path) / "part-r00000-newer-000000.parquet")
+    assert latest_run_id(run_path) is None

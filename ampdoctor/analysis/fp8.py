@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import RunError
-from ..read.run import Run, to_frame
+from ..read.run import Run, expect_run, to_frame
 from ..run_file.schema import (GEMM_KINDS, meta_names, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL,
                                META_RUN_ID, ROOT_NAME)
 from .fp8_passes import COLUMNS, GRAD, INPUT, WEIGHT, Passes, gemm_passes
@@ -252,7 +252,7 @@ def fp8_data(run: Run, *, flush_limit: float = DEFAULT_FLUSH_LIMIT) -> dict:
     format what current and delayed scaling (histories :data:`HISTORIES`) flush, saturate and
     clip; the layers to keep as torchao's ``module_filter_fn``, the shortest history. Raises
     :class:`RunError` for a run without GEMM operand rows."""
-    meta = run.metadata
+    meta = expect_run(run, "fp8_data()").metadata
     data = frame_data(_gemm_frame(run), meta, flush_limit=flush_limit, path=str(run.path))
     return {"path": str(run.path), "run_id": meta.get(META_RUN_ID, ""), **data}
 
@@ -260,7 +260,7 @@ def fp8_data(run: Run, *, flush_limit: float = DEFAULT_FLUSH_LIMIT) -> dict:
 def predictions(run: Run) -> pd.DataFrame:
     """Every pass's prediction (:func:`frame_predictions`) of ``run``, for tests and notebooks.
     Raises :class:`RunError` for a run without GEMM operand rows."""
-    frame = _gemm_frame(run)
+    frame = _gemm_frame(expect_run(run, "predictions()"))
     if not len(frame):
         raise RunError(no_operands_message(str(run.path), run.metadata))
     return frame_predictions(frame)

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..float_formats import FLOAT16, FloatFormat, float_format
-from ..read.run import Run
+from ..read.run import Run, expect_run
 from ..run_file.schema import (HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE, META_DEVICE, META_HIST_BINS, META_HIST_MIN_EXP,
-                      META_LEVEL, META_SCALER_ENABLED, MODULE_KINDS, meta_number)
+                               META_LEVEL, META_SCALER_ENABLED, MODULE_KINDS, meta_number)
 from .findings import Finding
 from .layer_scan import LayerScan, scan_layers
 from .replay import Replay, prepare
@@ -59,6 +59,7 @@ class Analysis:
 
 def analyse(run: Run) -> Analysis:
     """The step series, the layer scan and the calibrated replay of a read run."""
+    expect_run(run, "analyse()")
     meta = run.metadata
     amp, min_exp, bins = recorded_binning(meta)
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)

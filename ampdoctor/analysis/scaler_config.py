@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from ..run_file.schema import (META_BACKOFF_FACTOR, META_GROWTH_FACTOR, META_GROWTH_INTERVAL, META_INIT_SCALE, SCALER_META,
-                      meta_number)
+from ..run_file.schema import (META_BACKOFF_FACTOR, META_GROWTH_FACTOR, META_GROWTH_INTERVAL, META_INIT_SCALE,
+                               SCALER_META, meta_number)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 TORCH_SETTINGS = tuple(SCALER_META)  # GradScaler's keywords: init_scale, growth_factor, backoff_factor, growth_interval

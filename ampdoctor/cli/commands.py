@@ -211,8 +211,10 @@ def report(run: Run, fmt: str, top: int, output: str | None) -> None:
 def simulate(run: Run, fmt: str, output: str | None, **settings) -> None:
     """Replay GradScaler settings on the recorded gradients: predicted skipped steps, scale and
     underflow, next to what the run actually did."""
+    # Imported outside the try: a dependency's import error is not a setting torch cannot hold.
+    simulate_data = COMMANDS["simulate"].analysis_function()
     try:
-        data = COMMANDS["simulate"].analyse(run, **settings)
+        data = simulate_data(run, **settings)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     _emit(COMMANDS["simulate"].render(data, fmt), output)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ..errors import AmpdoctorError
-from ..read.run import Run
+from ..read.run import Run, expect_run
 from ..run_file.schema import META_RUN_ID
 from .series import layer_points, layout, step_scalars
 
@@ -31,6 +31,7 @@ def export_tensorboard(run: Run, logdir: str | os.PathLike) -> dict:
     "histograms"}]}`` (counts of points). Raises :class:`AmpdoctorError` when tensorboard is not
     installed, or when a rank's directory already holds event files (TensorBoard would show both
     exports as one run)."""
+    expect_run(run, "export_tensorboard()")
     summary_writer = _summary_writer_class()
     earlier = sorted(Path(logdir).glob(f"rank*/{EVENT_PREFIX}*"))
     if earlier:

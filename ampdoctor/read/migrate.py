@@ -23,7 +23,7 @@ from ..errors import RunError, one_line
 from ..run_file.hist_column import BadHistogram, as_hist_column
 from ..run_file.schema import META_SCHEMA_VERSION, SCHEMA_VERSION
 from ..run_file.names import segment_files, temporary_name
-from .segment import BadSegment, ForeignParquet, read_segment
+from ..run_file.segment import BadSegment, ForeignParquet, read_segment
 
 
 @dataclass

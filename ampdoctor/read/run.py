@@ -1,6 +1,6 @@
 """Load and validate a run: a segment directory (or one segment file), any number of ranks;
 one run id chosen, superseded rows marked, the rows read on demand (docs/architecture.md,
-"Reading a run"). Each segment's footer is read and checked in :mod:`ampdoctor.read.segment`; the
+"Reading a run"). Each segment's footer is read and checked in :mod:`ampdoctor.run_file.segment`; the
 directory's names and which run is the latest follow :mod:`ampdoctor.run_file.names`.
 
 Every way a path can fail to be a run raises :class:`RunError` with a one-line message. A
@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 from ..errors import RunError, one_line
 from ..run_file.hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
 from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
-                     META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
-                     META_UNWRITTEN_AT_EXIT, META_VERSION, META_WORLD_SIZE, META_WRITER, SCALER_META, SCHEMA_VERSION,
-                     meta_number)
+                               META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT,
+                               META_TORCH_VERSION, META_UNWRITTEN_AT_EXIT, META_VERSION, META_WORLD_SIZE, META_WRITER,
+                               SCALER_META, SCHEMA_VERSION, meta_number)
 from ..run_file.names import is_temporary_name, runs_oldest_first, segment_files, started_at
-from .segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_failure, read_segment
+from ..run_file.segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_failure, read_segment
 
 
 @dataclass
@@ -196,6 +196,15 @@ class Run:
         message = one_line(message)
         if message not in self.warnings:
             self.warnings.append(message)
+
+
+def expect_run(run: object, taker: str) -> Run:
+    """``run`` if it is a read :class:`Run`; else a ``TypeError`` that says how to get one. The
+    analyses take a ``Run`` and never open a path (docs/architecture.md)."""
+    if not isinstance(run, Run):
+        raise TypeError(f"{taker} takes a Run, not {type(run).__name__}: read one with ampdoctor.read_run(path) "
+                        f"(ampdoctor.report(path) and the other command functions read the path themselves)")
+    return run
 
 
 def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:

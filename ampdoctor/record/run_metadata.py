@@ -12,9 +12,9 @@ from ..version import __version__
 from .hooks import WRAPPER_CLASSES, clean_name
 from .options import RecordOptions
 from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
-                     META_GEMM_LAYERS, META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS,
-                     META_SCALER_ENABLED, META_SCHEMA_VERSION, META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE,
-                     SCALER_META, SCHEMA_VERSION)
+                               META_GEMM_LAYERS, META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID,
+                               META_RUN_STARTED, META_SCALER_CLASS, META_SCALER_ENABLED, META_SCHEMA_VERSION,
+                               META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE, SCALER_META, SCHEMA_VERSION)
 
 # Every segment footer carries the module types: a cap keeps a model of thousands of indexed
 # modules (a 2000-layer ModuleList) from making each footer hundreds of kilobytes.

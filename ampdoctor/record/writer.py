@@ -59,7 +59,8 @@ import pyarrow.parquet as pq
 
 from ..run_file.hist_column import hist_array
 from ..run_file.names import segment_name, temporary_name
-from ..run_file.schema import FINE_BINS, META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER, run_schema
+from ..run_file.schema import (FINE_BINS, META_FINAL, META_RANK, META_SEGMENT, META_UNWRITTEN_AT_EXIT, META_WRITER,
+                               run_schema)
 
 _CLOSE = object()   # shutdown sentinel
 EXIT_SECONDS = 5.0    # the one bound: each wait for the writer, and each exit path in all

@@ -1,4 +1,4 @@
-"""What a run directory holds, by name: the one naming rule of segments that the writer, the
+"""What a run directory holds: the one naming rule of segments that the writer, the
 reader, ``watch``, ``migrate`` and the demo share (docs/run-file.md, "Layout"), and which run of a
 directory is the latest (the one read by default, and the one a resumed recording continues).
 
@@ -15,9 +15,8 @@ from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from .schema import META_RUN_ID, META_RUN_STARTED, META_SCHEMA_VERSION
+from .schema import META_RUN_ID, META_RUN_STARTED
+from .segment import BadSegment, ForeignParquet, read_segment
 
 SUFFIX = ".parquet"
 TEMPORARY_SUFFIX = ".tmp"
@@ -43,8 +42,9 @@ def is_segment_name(name: str) -> bool:
 
 
 def is_temporary_name(name: str) -> bool:
-    """A segment still being written (or left half-written by a process that died)."""
-    return name.startswith(".") and name.endswith(SUFFIX + TEMPORARY_SUFFIX)
+    """A hidden temporary file: a segment still being written (or left half-written by a process
+    that died)."""
+    return name.startswith(".") and name.endswith(TEMPORARY_SUFFIX)
 
 
 def is_written_by_ampdoctor(name: str) -> bool:
@@ -90,22 +90,21 @@ def runs_oldest_first(segments: Iterable[tuple[dict[str, str], float]]) -> list[
 
 
 def latest_run_id(path: str | os.PathLike) -> str | None:
-    """The id of the latest run at ``path`` (a run directory or one segment), from the footers of
-    the segments that can be opened, or None when there is none. For the recording side, which
-    continues that run when it resumes: it reads footers only and never raises for what it finds."""
+    """The id of the latest run at ``path`` (a run directory or one segment), or None when there is
+    none: the run ``read_run`` reads by default, from the footers it accepts (data pages are not
+    read, so also where the installed pyarrow cannot read them). For the recording side, which
+    continues that run when it resumes: never raises for what it finds."""
     root = Path(path)
     try:
-        files = segment_files(root.iterdir()) if root.is_dir() else [root] if root.is_file() else []
-    except OSError:
+        files = segment_files(root.iterdir()) if root.is_dir() else [root]
+        segments = []
+        for f in files:
+            try:
+                segment, _ = read_segment(f, single=False)
+            except (BadSegment, ForeignParquet):
+                continue  # skipped by the reader too
+            segments.append((segment.metadata, segment.mtime))
+        order = runs_oldest_first(segments)
+    except Exception:  # noqa: BLE001 - nothing a reader would take (a newer schema, no such path): a new run
         return None
-    segments = []
-    for f in files:
-        try:
-            metadata = {k.decode(): v.decode() for k, v in (pq.read_schema(f).metadata or {}).items()}
-            mtime = f.stat().st_mtime
-        except Exception:  # noqa: BLE001 - damaged, foreign or vanished: not a run to continue
-            continue
-        if META_SCHEMA_VERSION in metadata:
-            segments.append((metadata, mtime))
-    order = runs_oldest_first(segments)
     return (order[-1] or None) if order else None

@@ -19,11 +19,11 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..version import __version__
 from ..errors import RunError
 from ..float_formats import FORMATS
-from ..run_file.hist_column import is_hist_type, unreadable_here
-from ..run_file.schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_STEPS, META_GROWTH_FACTOR,
+from ..version import __version__
+from .hist_column import is_hist_type, unreadable_here
+from .schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_STEPS, META_GROWTH_FACTOR,
                      META_GROWTH_INTERVAL, META_HIST_BINS, META_HIST_MIN_EXP, META_INIT_SCALE, META_LEVEL,
                      META_SCHEMA_VERSION, META_UNWRITTEN_AT_EXIT, META_WORLD_SIZE, SCHEMA_VERSION, HIST_BINS,
                      meta_number, run_schema)
