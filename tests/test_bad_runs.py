@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from ampdoctor.read import run as run_module
-from ampdoctor.read import segment as segment_module
+from ampdoctor.run_file import segment as segment_module
 from ampdoctor.cli.commands import main
 from ampdoctor.errors import RunError
 from ampdoctor.read.run import read_run
