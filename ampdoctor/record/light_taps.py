@@ -6,8 +6,8 @@ samples, so a tap does bookkeeping only: it hands the tensor to :class:`Peaks`, 
 gives it an id, and extends a flat list with its facts (one ``list.extend``: no Python object per
 tensor that lives until the step ends; such objects are what sets off Python's garbage collector,
 docs/benchmarks.md). :class:`Peaks` reduces the tensors it holds together
-(:func:`~ampdoctor.stats.peaks.batch_peaks`: on CUDA two Triton launches for all of them, of any
-dtypes; elsewhere one ``aminmax`` each, a few ops for all) when it holds :data:`BATCH` tensors or :data:`HOLD_SHARE` of the memory the device has allocated (a
+(:func:`~ampdoctor.stats.peaks.batch_peaks`: on CUDA two Triton launches for all those of a dtype;
+on the CPU one ``_foreach_norm`` for all) when it holds :data:`BATCH` tensors (of a dtype, on CUDA) or :data:`HOLD_SHARE` of the memory the device has allocated (a
 held tensor lives a little longer: that bounds what it costs), and at the step's end, when all of
 the step's peaks become one device vector (:meth:`Peaks.finish`). The
 :class:`~ampdoctor.record.records.TapObservation` of each tensor is made only if its step is
@@ -35,16 +35,17 @@ import torch
 
 from ..float_formats import dtype_name
 from ..stats.light import extremes, peaks_of_pairs
-from ..stats.peaks import batch_peaks, peaks_algorithm
+from ..stats.peaks import batch_peaks
 from .call_graph import ModuleCall
 from .records import FlightStep, TapObservation
 
 FIELDS = 6          # entries per tensor in a flat list: kind, call, order, torch dtype, numel, peak id
 _ID = 5             # the peak id's place
-BATCH = 256         # tensors held before they are reduced together (on CUDA 3 launches for all)
+BATCH = 64          # tensors of one dtype held on CUDA before they are reduced together (3 launches)
+CPU_BATCH = 1024    # tensors held on the CPU before they are reduced together (the bytes bound below rules)
 HOLD_SHARE = 0.01   # ... or their bytes, as a share of what the device has allocated (CUDA)
 MIN_HOLD_BYTES = 4 << 20    # (never less than this: tiny models would reduce at every tensor)
-CPU_HOLD_BYTES = 64 << 20   # elsewhere, without allocator statistics: a fixed bound
+CPU_HOLD_BYTES = 64 << 20   # the CPU has no allocator statistics: a fixed bound
 MAX_AT_ONCE = 1 << 16       # observations learnt to be read at once (a static model has few)
 
 
@@ -100,11 +101,10 @@ class Peaks:
         self.repeat = Repeat()
         self._batch = batch
         self._lock = threading.Lock()  # around the lists only: a launch never runs under it
-        self._held: dict[torch.dtype | None, list] = {}  # None (CUDA) or dtype -> [tensors, ids, bytes, versions, keys, addresses]
+        self._held: dict[torch.dtype | None, list] = {}  # dtype (CUDA; None elsewhere) -> [tensors, ids, bytes, versions]
         self._done: list[tuple[list[int], torch.Tensor]] = []  # (ids, their peaks) per reduced batch
         self._next = 0
         self._budget: int | None = None  # bytes held per dtype before a reduction (set at the first)
-        self._algorithm: str | None = None  # batch_peaks' for the first tensor's device (its kernels read mixed dtypes)
         # Observations whose tensor was changed in place while held, by (kind, module, order):
         # from the next step on they are read at once (one aminmax each), exactly.
         self.at_once: set[tuple] = set()
@@ -129,13 +129,11 @@ class Peaks:
         return pid
 
     def _hold(self, tensor: torch.Tensor, key: tuple | None = None) -> int:
-        if self._algorithm is None:  # (once, outside the lock: the first call may import Triton)
-            self._algorithm = peaks_algorithm(tensor.device)
         size = tensor.numel() * tensor.element_size()
         with self._lock:
             pid = self._next
             self._next += 1
-            group = None if self._algorithm == "triton" else tensor.dtype  # (Triton reads mixed dtypes at once)
+            group = tensor.dtype if tensor.is_cuda else None  # (the CPU reduces mixed dtypes in one op)
             held = self._held.get(group)
             if held is None:
                 held = self._held[group] = [[], [], 0, [], [], []]
@@ -146,7 +144,7 @@ class Peaks:
             held[4].append(key)
             held[5].append(tensor.data_ptr())
             budget = self._budget if self._budget is not None else MIN_HOLD_BYTES
-            full = len(held[0]) >= self._batch or held[2] >= budget
+            full = len(held[0]) >= (self._batch if group is not None else CPU_BATCH) or held[2] >= budget
             if full:
                 del self._held[group]
         if full:
@@ -170,7 +168,10 @@ class Peaks:
             tensors, ids = [tensors[i] for i in keep], [ids[i] for i in keep]
             if not tensors:
                 return
-        peaks = batch_peaks(tensors, self._algorithm)
+        if not tensors[0].is_cuda and len({t.dtype for t in tensors}) > 1:  # each dtype's together: fewer ops
+            order = sorted(range(len(tensors)), key=lambda i: str(tensors[i].dtype))
+            tensors, ids = [tensors[i] for i in order], [ids[i] for i in order]
+        peaks = batch_peaks(tensors)
         with self._lock:
             self._done.append((ids, peaks))
         device = tensors[0].device

@@ -1,5 +1,5 @@
-"""The peak magnitude of many tensors on one CUDA device, of any of four float dtypes mixed, in two
-Triton launches and one non-blocking copy of their addresses, whatever their number: the light module taps' batched
+"""The peak magnitude of many tensors of one dtype on one CUDA device, in two Triton launches and
+one non-blocking copy of their addresses, whatever their number: the light module taps' batched
 reduction (:func:`ampdoctor.stats.peaks.batch_peaks`, issue 39).
 
 Kernel 1 reads a *chunk* (at most :data:`CHUNK` elements of one tensor) per program and writes
@@ -31,52 +31,46 @@ CHUNK = 64 * BLOCK    # elements of one tensor a program reduces: large tensors 
 ROWS = 256            # partial results a program of kernel 2 takes at a time
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read when the kernels are defined, as Triton does
-CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}  # the dtypes it reads
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16,
+              torch.float64: tl.float64}  # (bfloat16 read as int16 and widened: see _chunk_kernel)
 
 
 @triton.jit
-def _chunk_kernel(chunks, addresses, partial, BLOCK: tl.constexpr, FOR_LOOP: tl.constexpr):
+def _chunk_kernel(chunks, addresses, partial, DTYPE: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+                  FOR_LOOP: tl.constexpr):
     """partial[c] = the largest magnitude in chunk ``c`` (NaN if any element is NaN). A chunk is
-    (tensor, first element, length) in ``chunks``; ``addresses`` holds each tensor's address and
-    then each tensor's dtype code (:data:`CODES`): one launch serves every dtype."""
+    (tensor, first element, length) in ``chunks``."""
     c = tl.program_id(0)
     tensor = tl.load(chunks + 3 * c)
     first = tl.load(chunks + 3 * c + 1)
     length = tl.load(chunks + 3 * c + 2)
-    address = tl.load(addresses + 2 * tensor)
-    code = tl.load(addresses + 2 * tensor + 1)
+    base = tl.load(addresses + tensor).to(tl.pointer_type(DTYPE))
     lane = tl.arange(0, BLOCK)
     top = tl.zeros([BLOCK], dtype=tl.float32)
     nans = tl.zeros([BLOCK], dtype=tl.int32)
     steps = (length + BLOCK - 1) // BLOCK
     if FOR_LOOP:  # compiled: a for loop over a loaded bound is software-pipelined
         for k in range(0, steps):
-            top, nans = _chunk_block(address, code, first, length, k, lane, top, nans, BLOCK)
+            top, nans = _chunk_block(base, first, length, k, lane, top, nans, BLOCK, BF16)
     else:  # Triton's interpreter cannot take a loaded loop bound in range() under numpy 2
         k = steps * 0
         while k < steps:
-            top, nans = _chunk_block(address, code, first, length, k, lane, top, nans, BLOCK)
+            top, nans = _chunk_block(base, first, length, k, lane, top, nans, BLOCK, BF16)
             k += 1
     peak = tl.max(top, axis=0)
     tl.store(partial + c, tl.where(tl.sum(nans, axis=0) > 0, float("nan"), peak))
 
 
 @triton.jit
-def _chunk_block(address, code, first, length, k, lane, top, nans, BLOCK: tl.constexpr):
-    at = first + k * BLOCK + lane
-    inside = k * BLOCK + lane < length
-    if code == 0:  # float32
-        magnitude = tl.abs(tl.load(address.to(tl.pointer_type(tl.float32)) + at, mask=inside, other=0.0))
-    elif code == 1:  # float16
-        magnitude = tl.abs(tl.load(address.to(tl.pointer_type(tl.float16)) + at, mask=inside,
-                                   other=0.0).to(tl.float32))
-    elif code == 2:  # bfloat16: the top half of a float32, widened by a shift (Triton's interpreter
+def _chunk_block(base, first, length, k, lane, top, nans, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    at = k * BLOCK + lane
+    inside = at < length
+    if BF16:  # bfloat16 is the top half of a float32: widened by a shift (Triton's interpreter
         # flushed its subnormals when converting)
-        raw = tl.load(address.to(tl.pointer_type(tl.int16)) + at, mask=inside, other=0).to(tl.int32)
+        raw = tl.load(base + first + at, mask=inside, other=0).to(tl.int32)
         magnitude = tl.abs((raw << 16).to(tl.float32, bitcast=True))
-    else:  # float64
-        magnitude = tl.abs(tl.load(address.to(tl.pointer_type(tl.float64)) + at, mask=inside,
-                                   other=0.0).to(tl.float32))
+    else:
+        magnitude = tl.abs(tl.load(base + first + at, mask=inside, other=0.0).to(tl.float32))
     nans += (magnitude != magnitude).to(tl.int32)
     top = tl.where(magnitude > top, magnitude, top)  # (a NaN compares false: counted above instead)
     return top, nans
@@ -115,18 +109,18 @@ def _tensor_block(partial, start, end, k, lane, top, nans, ROWS: tl.constexpr):
 
 def triton_peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float32 ``[len(tensors)]``: the largest magnitude of each (NaN if it holds a NaN), for
-    non-empty tensors of the dtypes in :data:`CODES` on one device, mixed. Two launches and a
-    non-blocking copy. No sync."""
-    device = tensors[0].device
+    non-empty tensors of one dtype on one device. Two launches and a non-blocking copy. No sync."""
+    device, dtype = tensors[0].device, tensors[0].dtype
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]
     table, chunks, first_chunk, n_chunks = _table(tuple(t.numel() for t in flat)).on(device)
-    host = torch.tensor([v for t in flat for v in (t.data_ptr(), CODES[t.dtype])], dtype=torch.int64,
+    host = torch.tensor([t.data_ptr() for t in flat], dtype=torch.int64,
                         pin_memory=device.type == "cuda")  # pageable memory would make the copy synchronous
     addresses = host.to(device, non_blocking=True)
     partial = torch.empty(n_chunks, dtype=torch.float32, device=device)
     out = torch.empty(len(flat), dtype=torch.float32, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _chunk_kernel[(n_chunks,)](chunks, addresses, partial, BLOCK=BLOCK, FOR_LOOP=not _INTERPRETED, num_warps=4)
+        _chunk_kernel[(n_chunks,)](chunks, addresses, partial, DTYPE=_TL_DTYPES[dtype], BF16=dtype == torch.bfloat16,
+                                   BLOCK=BLOCK, FOR_LOOP=not _INTERPRETED, num_warps=4)
         _tensor_kernel[(len(flat),)](first_chunk, partial, out, ROWS=ROWS, FOR_LOOP=not _INTERPRETED, num_warps=4)
     del flat  # the copies of non-contiguous tensors are freed stream-ordered: the kernels have them
     return out
