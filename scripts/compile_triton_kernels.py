@@ -1,5 +1,4 @@
-"""Compile the Triton kernels (the full statistics', ampdoctor/stats/full_triton_kernels.py, and the light
-taps' batched peaks, ampdoctor/stats/peaks_triton.py) for an NVIDIA target
+"""Compile the triton algorithm's kernels (ampdoctor/stats/full_triton_kernels.py) for an NVIDIA target
 without a GPU, with the ptxas that Triton ships: catches what Triton's interpreter lets pass (a
 plain global read in a kernel, an op the compiler refuses). Prints one line per kernel; exits 1
 on the first that fails. Run it without TRITON_INTERPRET (the tests do, in a subprocess).
@@ -23,7 +22,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ampdoctor.stats import full_triton as ft  # noqa: E402 - the launch parameters
 from ampdoctor.stats import full_triton_kernels as kernels  # noqa: E402
-from ampdoctor.stats import peaks_triton  # noqa: E402 - the light taps' peaks
 
 TILE = {"tiles": "*i64", "addresses": "*i64", "single": "*fp32", "inv_scale": "*fp32", "hist_out": "*i32", "extra_out": "*i32", "amax_out": "*fp32",
         "amin_out": "*i32", "sumsq_out": "*fp64", "marks": "*u8", "threshold": "fp32"}
@@ -51,13 +49,6 @@ def variants():
         yield (f"slot per_tensor={per_tensor}", kernels._slot_kernel, SLOT,
                {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71, "BINS": 64, "NBINS": 64,
                 "PER_TENSOR": per_tensor, "LINE_BLOCK": ft._LINE_BLOCK, "FOR_LOOP": True}, 4)
-    for torch_name, element in (("float32", "fp32"), ("float16", "fp16"), ("bfloat16", "i16"), ("float64", "fp64")):
-        yield (f"peaks chunk {torch_name}", peaks_triton._chunk_kernel,
-               {"chunks": "*i64", "addresses": "*i64", "partial": "*fp32"},
-               {"DTYPE": getattr(tl, {"fp32": "float32", "fp16": "float16", "i16": "int16", "fp64": "float64"}[element]),
-                "BF16": torch_name == "bfloat16", "BLOCK": peaks_triton.BLOCK, "FOR_LOOP": True}, 4)
-    yield ("peaks tensor", peaks_triton._tensor_kernel, {"first_chunk": "*i64", "partial": "*fp32", "out": "*fp32"},
-           {"ROWS": peaks_triton.ROWS, "FOR_LOOP": True}, 4)
 
 
 def main() -> int:
@@ -69,8 +60,6 @@ def main() -> int:
     for name, fn, signature, constexprs, warps in variants():
         if args.quick and name.startswith("tile") and ("wide=True" in name or "scale=False" in name
                                                        or name.split()[1] in ("float16", "float64")):
-            continue
-        if args.quick and name.startswith("peaks chunk") and name.split()[2] in ("float16", "float64"):
             continue
         sig = {**signature, **{k: "constexpr" for k in constexprs}}
         try:

@@ -70,13 +70,13 @@ def test_flight_and_parameter_records():
     light = LightTaps(limit=10)  # the flight recorder's buffer, as the taps fill it on a light step
     light.add("output", call, 0, torch.tensor([70000.0, -1.0]))
     light.add("grad_output", call, 1, torch.tensor([3.0, -2048.0, 0.5], dtype=torch.float16))
-    flight_step = light.flight_step(5, light.peaks.finish())
+    flight_step = light.flight_step(5)
     flight_step.scalars = _scalars(scale=2048.0, skipped=True)
     rows, anomaly = _rows(FlightRecord(0, [flight_step]))
     assert anomaly and [r["kind"] for r in rows] == ["output", "grad_output"]
     assert rows[0]["amax"] == 70000.0 and rows[1]["amax"] == 1.0  # a gradient's peak is unscaled
     assert [r["dtype"] for r in rows] == ["float32", "float16"] and [r["numel"] for r in rows] == [2, 3]
     assert rows[0]["inputs"] == [1] and rows[0]["skipped"] and rows[0]["n_zero"] is None
-    assert light.flight_step(6, light.peaks.finish()) is None  # the buffer starts the next step empty
+    assert light.flight_step(6) is None  # the buffer starts the next step empty
     rows, anomaly = _rows(ParamRecord(9, 0, "float16", _scalars(), ParamCheck(["w"], [4], torch.tensor([math.nan]))))
     assert anomaly and len(rows) == 2 and math.isnan(rows[0]["amax"]) and rows[1]["name"] == "w"

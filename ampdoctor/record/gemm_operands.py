@@ -13,9 +13,9 @@ Per step, from the module taps (:mod:`ampdoctor.record.hooks`): at each training
 forward pre-hook, grad enabled) its input and, at its first call in the step (training or not), its
 weight, as the forward is about to use them (after the optimizer step; under FSDP the unsharded weight, which is
 only materialised then); and each call's output gradient (the tap's own gradient hook hands it on).
-Each is held for its peak by a :class:`~ampdoctor.record.light_taps.LightTaps` of their own that shares
-the flight recorder's :class:`~ampdoctor.record.light_taps.Peaks`: reduced in the same batches, and an
-input that is the previous tapped output, or a gradient the flight recorder has just held, is held once. Module-sampled steps add a fine histogram of each
+One ``(min, max)`` each, through a :class:`~ampdoctor.record.light_taps.LightTaps` of their own that shares
+the flight recorder's repeat check: an input that is the previous tapped output, and a gradient the
+flight recorder has just reduced, cost no kernel. Module-sampled steps add a fine histogram of each
 (at most :data:`MAX_FINE_HISTS` a step). Nothing here syncs; the peaks ride the step's copy to the
 host (:mod:`ampdoctor.record.records`).
 
@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .call_graph import ModuleCall
-from .light_taps import LightTaps, Peaks, StepPeaks
+from .light_taps import LightTaps, Repeat
 from .records import GemmRecord
 from ..stats.fine_hist import fine_hist
 
@@ -78,10 +78,10 @@ def layer_weight(module: nn.Module) -> torch.Tensor | None:
 class GemmOperands:
     """The GEMM operands of the step in progress. Training thread and autograd threads; no sync."""
 
-    def __init__(self, layers: dict[str, nn.Module], peaks: Peaks, limit: int,
+    def __init__(self, layers: dict[str, nn.Module], repeat: Repeat, limit: int,
                  inv_scale: Callable[[torch.device], torch.Tensor | None]) -> None:
         self.layers = layers                                  # name -> module
-        self._taps = LightTaps(limit, peaks)
+        self._taps = LightTaps(limit, repeat)
         self._inv_scale = inv_scale
         self.dropped_hists = 0
         self.start(False)
@@ -127,16 +127,15 @@ class GemmOperands:
             return
         self._hists[key] = fine_hist(tensor, inv)
 
-    def finish(self, step: int, peaks: StepPeaks | None) -> GemmRecord | None:
+    def finish(self, step: int) -> GemmRecord | None:
         """The step's operands (device tensors, to be copied to the host), or None when no GEMM
-        layer ran; ``peaks``: the step's (:meth:`Peaks.finish <ampdoctor.record.light_taps.Peaks.finish>`).
-        Starts nothing (call :meth:`start`). A few launches; no sync."""
-        light = self._taps.flight_step(step, peaks)
+        layer ran; starts nothing (call :meth:`start`). A few launches; no sync."""
+        light = self._taps.flight_step(step)
         if light is None:
             return None
         device = light.peaks.device
         hists = list(self._hists.values())
         return GemmRecord(
-            taps=light.taps, peaks=light.peaks, index=light.index, hist_keys=list(self._hists),
+            taps=light.taps, peaks=light.peaks, hist_keys=list(self._hists),
             hists=torch.stack([h.to(device, non_blocking=True) for h, _ in hists]) if hists else None,
             zeros=torch.stack([z.to(device, non_blocking=True) for _, z in hists]) if hists else None)

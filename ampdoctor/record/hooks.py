@@ -17,9 +17,8 @@ Structure. Every call of a tapped module gets a number, its parent call and the 
 returned tensors it received (:mod:`ampdoctor.record.call_graph`).
 
 Cost. Hooks run per tapped call and per output, so they do little: what a light step keeps per
-tensor is the tensor itself, held for a batched peak, and a few entries in a list
-(:mod:`ampdoctor.record.light_taps`); no lock is taken here (counters are ``itertools.count``
-objects, call stacks are per thread); and a static model
+tensor is one ``aminmax`` and a few entries in a list (:mod:`ampdoctor.record.light_taps`); no lock is
+taken (counters are ``itertools.count`` objects, call stacks are per thread); and a static model
 makes no new Python object per call that lives to the step's end (the call's facts and its
 gradient hook are the previous step's when they are equal), because such objects set off
 Python's garbage collector. Measured by ``benchmarks/host_cost.py`` (docs/benchmarks.md).

@@ -30,7 +30,7 @@ from .anomalies import AnomalyWatch
 from .gemm_operands import MAX_FINE_HISTS, GemmOperands, is_gemm
 from .handoff import start_copies, step_scalars
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
-from .light_taps import LightTaps, Peaks, Repeat
+from .light_taps import LightTaps, Repeat
 from .live_status import LiveStatus
 from .measured_steps import MeasuredSteps
 from .options import RecordOptions, default_path
@@ -98,8 +98,7 @@ class Recorder:
         self._tap_obs: list[TapObservation] = []   # full module statistics of the step in progress
         # A tensor seen twice in a row gets its statistics once (per kind: only gradients are unscaled)
         self._tap_repeats = {"output": Repeat(), "grad_output": Repeat()}
-        self._peaks = Peaks()  # the light taps' tensors, held and reduced in batches
-        self._light_taps = LightTaps(MAX_TAP_ROWS_PER_STEP, self._peaks)  # light ones (the flight recorder's)
+        self._light_taps = LightTaps(MAX_TAP_ROWS_PER_STEP)  # light ones (the flight recorder's)
         self._dropped_taps = 0
         self._warned_dropped = False
         self._warned_hists = False  # (the GEMM operands' fine histograms beyond their cap)
@@ -127,7 +126,7 @@ class Recorder:
             else:
                 self._taps = ModuleTaps(inner, options.modules, self, gemm=is_gemm if options.level == "full" and options.fp8 else None)
                 if self._taps.gemm_layers:
-                    self._gemm = GemmOperands(self._taps.gemm_layers, self._peaks, MAX_TAP_ROWS_PER_STEP,
+                    self._gemm = GemmOperands(self._taps.gemm_layers, self._light_taps.repeat, MAX_TAP_ROWS_PER_STEP,
                                               self._inv_scale)
                     self._plan.light_taps = True  # the operands' peaks every step, flight recorder or not
                     self._run_metadata.gemm_layers({n: type(m).__name__ for n, m in self._taps.gemm_layers.items()})
@@ -320,7 +319,6 @@ class Recorder:
         inv_scale = scale.double().reciprocal().float() if scale is not None else None
         below = float_format(self.amp_dtype).smallest_normal
         self._measured.end(self.step)
-        self._peaks.flush()  # the backward is over: read what is held before the optimizer steps
         probe = self._measured.after_backward()
         groups = self._parameters.gradient_groups(optimizer, check=full)
         for (device, dtype), (names, numels, tensors) in groups.items():
@@ -379,11 +377,10 @@ class Recorder:
                             amp_dtype=self.amp_dtype, scalars=scalars, groups=self._groups,
                             taps=taps if module_stats == "full" else [], params=merge_params(self._optimizers.checks))
         self._dropped_taps += self._light_taps.dropped
-        peaks = self._peaks.finish()
-        flight_step = self._light_taps.flight_step(self.step, peaks)
+        flight_step = self._light_taps.flight_step(self.step)
         if self._gemm is not None and module_stats is not None:
             self._dropped_taps += self._gemm.dropped  # (beyond the per-step limit: warned below)
-            record.gemm = self._gemm.finish(self.step, peaks)
+            record.gemm = self._gemm.finish(self.step)
         self._measured.end(self.step)
         if not self._measured.step_done(self.step):
             self._plan.measure_every = 0

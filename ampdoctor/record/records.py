@@ -52,8 +52,7 @@ class GemmRecord:
     fine histograms."""
 
     taps: list                        # flat, light_taps.FIELDS entries per input, weight or gradient
-    peaks: torch.Tensor               # float32: the step's peaks (light_taps.StepPeaks.values), on the device
-    index: np.ndarray                 # int64 [taps]: the place of each tap's peak in ``peaks``
+    peaks: torch.Tensor               # float32 [taps]
     hist_keys: list[tuple]            # (kind, call, backward order or -1) of each histogram
     hists: torch.Tensor | None        # int64 [hist_keys, FINE_BINS]: nonzero elements by fine bin (gradients unscaled)
     zeros: torch.Tensor | None        # int64 [hist_keys]: exact zeros
@@ -100,15 +99,14 @@ class ParamRecord:
 
 @dataclass
 class FlightStep:
-    """One step in the flight recorder: the peaks of its light module taps, ``peaks[index[i]]`` of
-    the ``i``-th tap (gradients still scaled by the step's scale)."""
+    """One step in the flight recorder: the peaks of its light module taps, ``peaks[i]`` of the
+    ``i``-th tap (gradients still scaled by the step's scale)."""
 
     step: int
     taps: list                        # flat, light_taps.FIELDS entries per tap (light_taps.observations)
-    peaks: torch.Tensor               # float32: the step's peaks, on the device until dumped
+    peaks: torch.Tensor               # float32 [taps], on the device until dumped
     scalars: torch.Tensor | None      # the step's host scalars (see StepRecord)
     event: Fence | None = None        # the step's copy fence (its scalars)
-    index: np.ndarray | None = None   # int64 [taps]: the place of each tap's peak in ``peaks`` (None: in order)
 
 
 @dataclass

@@ -144,29 +144,16 @@ def _flight_rows(flight_step: FlightStep, rank: int) -> Block:
     """A flight-recorder step: only ``amax`` is measured, as the peak magnitude (NaN or inf
     when the tensor held one); the other statistics are null."""
     step = _StepColumns.of(flight_step.step, rank, read_scalars(flight_step.scalars))
-    taps, index = _known(observations(flight_step.taps), flight_step.index)
-    amax = _unscaled_peaks(taps, flight_step.peaks, index, step.scale, "grad_output")
+    taps = observations(flight_step.taps)
+    amax = _unscaled_peaks(taps, flight_step.peaks, step.scale, "grad_output")
     return step.block(_Labels.of_taps(taps), _light_columns(amax), taps=taps)
 
 
-def _known(taps: list[TapObservation], index: np.ndarray | None) -> tuple[list[TapObservation], np.ndarray | None]:
-    """The observations whose peak is known, and their places: one changed in place before its
-    peak was read (``index`` -1, light_taps.Peaks) has no row (its value then is gone)."""
-    if index is None or (index >= 0).all():
-        return taps, index
-    keep = np.flatnonzero(index >= 0)
-    return [taps[i] for i in keep], index[keep]
-
-
-def _unscaled_peaks(taps: list[TapObservation], peaks, index: np.ndarray | None, scale: float,
-                    grad_kind: str) -> np.ndarray:
-    """float32 peaks of light observations (``peaks``, a host tensor, at ``index``: the step's
-    peaks hold those of other observations too), those of kind ``grad_kind`` unscaled by ``scale``
-    as torch's ``unscale_`` does (times the float32 1/scale: the largest product is the product of
-    the largest)."""
+def _unscaled_peaks(taps: list[TapObservation], peaks, scale: float, grad_kind: str) -> np.ndarray:
+    """float32 peaks of light observations (a host tensor), those of kind ``grad_kind`` unscaled by
+    ``scale`` as torch's ``unscale_`` does (times the float32 1/scale: the largest product is the
+    product of the largest)."""
     peaks = peaks.numpy().astype(np.float32)
-    if index is not None:
-        peaks = peaks[index]
     inv = np.float32(1.0 / np.float64(scale))
     grads = np.array([t.kind == grad_kind for t in taps], dtype=bool)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -178,8 +165,8 @@ def _gemm_rows(step: _StepColumns, gemm: GemmRecord) -> Block:
     called layer's weight; ``amax`` the peak (gradients unscaled), ``call`` and, on gradients, the
     backward ``order``; on module-sampled steps ``n_zero`` and ``fine_hist``."""
     grad_kind = GEMM_KINDS[2]
-    taps, index = _known(observations(gemm.taps), gemm.index)
-    amax = _unscaled_peaks(taps, gemm.peaks, index, step.scale, grad_kind)
+    taps = observations(gemm.taps)
+    amax = _unscaled_peaks(taps, gemm.peaks, step.scale, grad_kind)
     block, n = step.block(_Labels.of_taps(taps), _light_columns(amax))
     block["call"] = _objects(n, [t.call.call for t in taps])
     block["order"] = _objects(n, [t.order if t.kind == grad_kind else None for t in taps])

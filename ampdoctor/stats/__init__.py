@@ -4,8 +4,7 @@ Statistics).
 Two kinds:
 
 * *light* statistics (:mod:`.light`, every step): per tensor its peak magnitude and its L2 norm,
-  unscaled; and peaks alone, for the parameter check; the light module taps' peaks of many tensors
-  at once are :mod:`.peaks` (on CUDA Triton kernels over their addresses, :mod:`.peaks_triton`);
+  unscaled; and peaks alone, for the parameter check and the light module taps;
 * *full* statistics (:mod:`.full`, on sampled and escalated steps): counts of zeros, subnormals,
   NaNs and infs, a binade histogram, the smallest and largest magnitudes, the norm and the zeros
   in zero lines, per tensor or for all of them together (their results: :mod:`.full_results`).
