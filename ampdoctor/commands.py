@@ -114,7 +114,6 @@ class Command:
     analysis: str
     renderer: str
     result: type[CommandResult]
-    runs: int = 1  # how many runs it reads
 
     def analyse(self, *runs: "Run", **options) -> dict:
         """The command's data for read runs. Raises ``ValueError`` for options it cannot use."""
@@ -135,7 +134,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "report": Command("analysis.report:report_data", "render:report", Report),
     "postmortem": Command("analysis.postmortem:postmortem_data", "render:postmortem", Postmortem),
-    "compare": Command("analysis.compare:compare_data", "render:comparison", Comparison, runs=2),
+    "compare": Command("analysis.compare:compare_data", "render:comparison", Comparison),
     "simulate": Command("analysis.simulate:simulate_data", "render:simulate", Simulation),
     "layers": Command("analysis.layers:layers_data", "render:layers", Layers),
     "fp8": Command("analysis.fp8:fp8_data", "render.fp8:render_fp8", Fp8Readiness),

@@ -424,7 +424,3 @@ def demo(scenario: str, path: str, steps: int | None, device: str, seed: int, sh
                     fmt="text", color=_color())
     click.echo(f"Wrote {result.path}.\n")
     click.echo(text)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
