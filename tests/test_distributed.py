@@ -200,3 +200,14 @@ def test_fsdp2_sharded_scaler_records_original_names_and_trains_identically(tmp_
     assert set(frame["rank"]) == {0, 1}
     modules = set(frame.loc[frame["kind"] == "output", "name"])
     assert {"fc1", "fc2", "(model)"} <= modules and not any("fsdp" in m.lower() for m in modules)
+    # The advice is in the run's own scaler class: an FSDP user pastes a ShardedGradScaler (issue 40)
+    import torch.distributed.fsdp.sharded_grad_scaler as sharded
+    from ampdoctor.analysis.report import report_data
+    from ampdoctor.read.run import read_run
+    from ampdoctor.render import contract
+    report = contract(report_data(read_run(tmp_path / "fsdp.parquet")))
+    assert report["run"]["scaler"]["class"] == "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+    rec = report["recommendation"]
+    assert rec["code"].startswith('torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler("cpu", '), rec["code"]
+    scaler = eval(rec["code"], {"torch": torch})  # noqa: S307 - our own generated line
+    assert type(scaler) is sharded.ShardedGradScaler and scaler.get_scale() == rec["init_scale"]

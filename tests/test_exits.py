@@ -141,6 +141,7 @@ def test_a_record_queued_as_close_is_asked_is_written(tmp_path):
             injected.set()
 
     w._serve_flush_request = racing
+    w._start()  # (a first put() would: the worker starts when there is something to write)
     assert injected.wait(10)
     assert w.close(timeout=5)
     assert seen == ["the last record"]

@@ -160,6 +160,7 @@ def test_accelerate_instrument(accelerator_factory, run_path, device):
     assert steps == plain_steps == STEPS
     info = _check_run(run_path, model, STEPS)
     assert info["scaler"]["class"] == "torch.amp.grad_scaler.GradScaler" and info["device"] == device
+    assert read_run(run_path).metadata["scaler.framework"] == "accelerate"  # advised in its arguments
     if device == "cpu":  # the high initial scale of SCALER_ARGS overflows at step 1 there
         assert info["skipped_steps"] >= 1
     _same_params(model, plain)
@@ -329,6 +330,33 @@ def test_lightning_callback(lightning_fit, run_path, device):
         assert info["skipped_steps"] >= 1
     assert type(trainer.precision_plugin.scaler) is torch.amp.GradScaler and callback.scaler is None
     _same_params(module, plain)
+
+
+def test_lightning_recommendation_is_in_lightning_s_own_arguments(lightning_fit, run_path):
+    """A run recorded through the callback is advised as a Lightning user sets a scaler: the
+    precision plugin passed to the Trainer; pasted, it builds a Trainer whose scaler has the
+    recommended settings (issue 40). The same for an ampdoctor.GradScaler given to the plugin:
+    its model is a LightningModule."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins import MixedPrecision
+    from ampdoctor.analysis.report import report_data
+    from ampdoctor.integrations.lightning import AmpdoctorCallback
+    from ampdoctor.render import contract
+
+    lightning_fit(callbacks=[AmpdoctorCallback(path=run_path)])
+    lightning_fit(scaler=lambda m: ampdoctor.GradScaler("cpu", model=m, path=run_path.parent / "own",
+                                                         **SCALER_ARGS))
+    for path in (run_path, run_path.parent / "own"):
+        run = read_run(path)
+        assert run.metadata["scaler.framework"] == "lightning"
+        rec = contract(report_data(run))["recommendation"]
+        assert rec["code"].startswith('Trainer(plugins=[MixedPrecision("16-mixed", "cpu", '
+                                      'scaler=torch.amp.GradScaler("cpu", init_scale='), rec["code"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's notices about the CPU
+            trainer = eval(rec["code"], {"Trainer": pl.Trainer, "MixedPrecision": MixedPrecision,  # noqa: S307
+                                         "torch": torch})
+        assert trainer.precision_plugin.scaler.get_scale() == rec["init_scale"]
 
 
 def test_lightning_callback_closes_the_run_when_fit_fails(lightning_fit, run_path):

@@ -138,3 +138,77 @@ def test_the_scaler_code_holds_the_settings_as_numbers(scenarios):
     assert code.code == "scaler_code" and code.values["device"] == "cpu"
     assert all(isinstance(v, (int, float)) for v in code.values["settings"].values())
     assert math.isclose(code.values["settings"]["init_scale"], rec["init_scale"])
+
+
+class SteadyScaler(torch.amp.GradScaler):
+    """A user's own scaler class (the run's ``scaler.class`` is this module's path to it)."""
+
+
+def _train_wrapped(path, scaler, steps: int = 12) -> None:
+    import ampdoctor
+    from models import QuietMLP, batches, mse
+
+    torch.manual_seed(0)
+    model = QuietMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ampdoctor.wrap(scaler, model=model, path=path, amp_dtype=torch.float16)
+    for x, y in batches(steps, seed=1):
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    scaler.close()
+
+
+def test_the_line_to_paste_constructs_the_run_s_own_scaler_class(tmp_path):
+    """A run recorded through a subclass of torch's scaler is advised in that class's words (issue
+    40: an FSDP user must not be told to paste ``torch.amp.GradScaler``); the line constructs it."""
+    import sys
+
+    _train_wrapped(tmp_path / "run", SteadyScaler("cpu", init_scale=2.0**24))
+    rec = contract(report_data(read_run(tmp_path / "run")))["recommendation"]
+    module = __name__
+    assert rec["code"].startswith(f'{module}.SteadyScaler("cpu", init_scale=2**'), rec["code"]
+    scaler = eval(rec["code"], {module: sys.modules[module]})  # noqa: S307 - our own generated line
+    assert type(scaler) is SteadyScaler and scaler.get_scale() == rec["init_scale"]
+
+
+@pytest.mark.parametrize("recorded, expected", [
+    (None, "torch.amp.GradScaler"), ("ampdoctor.GradScaler", "torch.amp.GradScaler"),
+    ("torch.amp.grad_scaler.GradScaler", "torch.amp.GradScaler"),
+    ("torch.cuda.amp.grad_scaler.GradScaler", "torch.amp.GradScaler"),  # (deprecated alias: torch's own)
+    ("torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
+     "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"),
+    ("__main__.MyScaler", "MyScaler"),
+])
+def test_the_constructed_class_is_the_run_s(recorded, expected):
+    from ampdoctor.analysis.scaler_config import scaler_constructor
+    assert scaler_constructor(recorded) == expected
+
+
+def test_a_run_that_came_through_accelerate_is_advised_in_its_arguments(tmp_path):
+    """``instrument(accelerator)`` says the run came through Accelerate (``came_through``, as the
+    integration calls it; on the CPU Accelerate has no scaler to instrument): the line to paste is
+    Accelerate's own constructor, and it builds an Accelerator whose scaler settings are the
+    recommendation's."""
+    accelerate = pytest.importorskip("accelerate")
+    import ampdoctor
+    from models import QuietMLP, batches, mse
+
+    torch.manual_seed(0)
+    model = QuietMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run", amp_dtype=torch.float16,
+                                  init_scale=2.0**24)
+    scaler.recorder.came_through("accelerate")
+    for x, y in batches(12, seed=1):
+        scaler.scale(mse(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    scaler.close()
+    rec = contract(report_data(read_run(tmp_path / "run")))["recommendation"]
+    assert rec["code"].startswith('Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=2**')
+    accelerator = eval(rec["code"], {"Accelerator": accelerate.Accelerator,  # noqa: S307
+                                     "GradScalerKwargs": accelerate.utils.GradScalerKwargs})
+    assert accelerator.scaler_handler.init_scale == rec["init_scale"]

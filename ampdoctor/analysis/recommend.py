@@ -39,7 +39,7 @@ from ..run_file.schema import ROOT_NAME
 from .contract_fields import underflow_fields
 from .findings import Finding
 from .replay import Outcome, Replay, replay, drift_share
-from .scaler_config import TORCH_SETTINGS, ScalerConfig
+from .scaler_config import FRAMEWORKS, TORCH_SETTINGS, ScalerConfig, scaler_constructor
 
 UNDERFLOW_WEIGHT = 10.0
 UNCERTAIN_WEIGHT = 0.5        # a step that may or may not overflow costs half a skipped one
@@ -78,11 +78,14 @@ def _changed(cfg: ScalerConfig, base: ScalerConfig) -> int:
 
 def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, device: str = "cuda",
               settle_step: int | None = None, worst_modules: list[str] | None = None,
-              hot_activations: list[tuple[str, float]] | None = None, outside: list[str] | None = None) -> dict:
+              hot_activations: list[tuple[str, float]] | None = None, outside: list[str] | None = None,
+              scaler_class: str | None = None, framework: str | None = None) -> dict:
     """The recommendation section of the report contract. ``current`` is None for a run whose
     scaler was disabled (bf16/fp32): then the question is whether fp16 would work at all.
     ``outside``: for overflow origins outside the tapped modules, the module whose output gradient
-    each reached first."""
+    each reached first. ``scaler_class``, ``framework``: the run's (metadata ``scaler.class``,
+    ``scaler.framework``), so that the line to paste constructs the run's own scaler class, or
+    sets it through the framework's own arguments."""
     series = prepared.series
     n = len(series)
     base = current or ScalerConfig()
@@ -131,7 +134,9 @@ def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, d
     return {
         "init_scale": cfg.init_scale, "growth_factor": cfg.growth_factor, "backoff_factor": cfg.backoff_factor,
         "growth_interval": int(cfg.growth_interval), "target_dtype": prepared.target.name, "verdict": verdict,
-        "code": Finding("scaler_code", {"device": device, "settings": cfg.shown_settings(current)}),
+        "code": Finding("scaler_code", {"device": device, "settings": cfg.shown_settings(current),
+                                        "scaler": scaler_constructor(scaler_class),
+                                        "framework": framework if framework in FRAMEWORKS else None}),
         "reasons": reasons, "advice": advice,
         "current": {"skipped_steps": int(actual["skipped_steps"]),
                     **{k: actual[k] for k in ("underflow_rate", "underflow_rate_min", "underflow_rate_max")}},

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..read.run import Run
-from ..run_file.schema import SCALER_META, META_DEVICE, META_SCALER_CLASS, meta_number
+from ..run_file.schema import SCALER_META, META_DEVICE, META_SCALER_CLASS, META_SCALER_FRAMEWORK, meta_number
 from .findings import Finding
 from .layers import layer_records, module_type, module_types, sort_layers
 from .origins import origin_counts
@@ -58,7 +58,9 @@ def report_data(run: Run | Analysis) -> dict:
         outside = list(dict.fromkeys(o["after"] for o in origins if o.get("after")))  # once per module, not per rank
         recommendation = recommend(a.prepared, a.current, actual, device=a.device,
                                    settle_step=_settle_count(a.series), worst_modules=worst,
-                                   hot_activations=hot, outside=outside)
+                                   hot_activations=hot, outside=outside,
+                                   scaler_class=a.run.metadata.get(META_SCALER_CLASS),
+                                   framework=a.run.metadata.get(META_SCALER_FRAMEWORK))
         warnings.extend(a.prepared.notes)
     return {
         "run": _run_info(a),

@@ -58,6 +58,23 @@ class ScalerConfig:
                 or (current is not None and getattr(self, name) != getattr(current, name))}
 
 
+# Recorded scaler classes that the line to paste names as torch's scaler: torch's own (its
+# deprecated per-device aliases too) and ampdoctor's drop-in, which is torch's while not recording.
+_TORCH_SCALERS = frozenset({"torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler",
+                            "torch.cpu.amp.grad_scaler.GradScaler", "ampdoctor.GradScaler"})
+FRAMEWORKS = ("lightning", "fabric", "accelerate")  # whose own arguments the line to paste can use
+
+
+def scaler_constructor(recorded_class: str | None) -> str:
+    """The class the recommendation's line constructs: the run's own (FSDP's ``ShardedGradScaler``,
+    a subclass), by the module path it was recorded with (a class defined in the script itself by
+    its name alone), and ``torch.amp.GradScaler`` for torch's and ampdoctor's scalers and for runs
+    that do not say."""
+    if not recorded_class or recorded_class in _TORCH_SCALERS:
+        return "torch.amp.GradScaler"
+    return recorded_class.removeprefix("__main__.")
+
+
 def with_defaults(base: ScalerConfig | None, **overrides) -> ScalerConfig:
     """``base`` (or torch's defaults) with the given non-None settings replaced."""
     cfg = base or ScalerConfig()

@@ -37,6 +37,8 @@ class CallbackRun:
     """What the framework callbacks share: options checked when the callback is made, the
     framework's scaler wrapped in place for the length of training, and ``close()``."""
 
+    framework: str | None = None  # whose arguments set the scaler (run-file ``scaler.framework``)
+
     def __init__(self, path: str | os.PathLike | None = None, **options: Any) -> None:
         options = dict(options)
         self.start_step = options.pop("start_step", None)
@@ -53,6 +55,8 @@ class CallbackRun:
         options.setdefault("amp_dtype", torch.float16)
         start = start_step if self.start_step is None else self.start_step
         self.scaler = wrap(scaler, model=model, path=self.path, start_step=start, **options)
+        if self.framework is not None and self.scaler.recorder is not None:
+            self.scaler.recorder.came_through(self.framework)
 
     def close(self) -> None:
         """Finish the run and give the scaler its plain class back. Idempotent."""

@@ -55,4 +55,7 @@ def instrument(accelerator, *, model: torch.nn.Module | None = None,
             "DeepSpeed scales the loss itself.")
     if accelerator.mixed_precision == "fp16":
         options.setdefault("amp_dtype", torch.float16)
-    return wrap(scaler, model=model, path=path, **options)
+    scaler = wrap(scaler, model=model, path=path, **options)
+    if scaler.recorder is not None:  # (None: a rank that does not record, or a set-up it cannot use)
+        scaler.recorder.came_through("accelerate")
+    return scaler

@@ -46,6 +46,8 @@ class AmpdoctorCallback(CallbackRun, _pl.Callback):
     already recording (an ``ampdoctor.GradScaler`` passed to the plugin: use one or the other).
     """
 
+    framework = "lightning"  # the report's recommendation is a MixedPrecision plugin to pass
+
     def on_fit_start(self, trainer, pl_module) -> None:
         scaler = _scaler(trainer)
         if scaler is None:

@@ -73,8 +73,15 @@ class Recorder:
     def __init__(self, scaler: torch.amp.GradScaler, model: torch.nn.Module | None,
                  options: RecordOptions, *, scaler_class: str, start_step: int = 0,
                  run_id: str | None = None) -> None:
-        if options.level == "full" and model is None:
-            raise ValueError("level='full' needs model=: the module taps are installed on it")
+        check_arguments(options, model)
+        try:
+            self._set_up(scaler, model, options, scaler_class, start_step, run_id)
+        except BaseException:
+            self._abandon()  # what was installed before the failure: hooks, the writer, the exit entry
+            raise
+
+    def _set_up(self, scaler: torch.amp.GradScaler, model: torch.nn.Module | None, options: RecordOptions,
+                scaler_class: str, start_step: int, run_id: str | None) -> None:
         self.options = options
         self.active = True
         self.step = start_step
@@ -83,9 +90,6 @@ class Recorder:
         self._observed: set[int] = set()
         self._groups: list[GroupRecord] = []
         self._loss: torch.Tensor | None = None
-        # At exit: is this still the scaler's recorder? And a scaler dropped without close() stops
-        # the module taps, whose hooks on the model would otherwise keep this recorder recording.
-        self._scaler_ref = weakref.ref(scaler, _when_dropped(weakref.ref(self)))
         self._layouts = SlotLayouts()
         self._copies = HostCopies()
         self._reported = False  # a failure has been warned about (or raised)
@@ -137,6 +141,10 @@ class Recorder:
             rank=self.rank,
             hist_bins=options.hist_bins, flush_every=options.flush_every,
             flush_seconds=options.flush_seconds, queue_size=options.queue_size)
+        # At exit: is this still the scaler's recorder? And a scaler dropped without close() stops
+        # the module taps, whose hooks on the model would otherwise keep this recorder recording,
+        # and its writer's thread (this recorder may be collected with the scaler).
+        self._scaler_ref = weakref.ref(scaler, _when_dropped(weakref.ref(self), self.writer))
         self._anomalies = AnomalyWatch(self._plan, self.writer, self._copies, rank=self.rank,
                                        flight_steps=options.flight_steps, scale_floor=options.scale_floor,
                                        start_step=start_step)
@@ -146,6 +154,15 @@ class Recorder:
         self._plan_step()
 
     # -- lifecycle -------------------------------------------------------------------------
+    def _abandon(self) -> None:
+        """Undo a set-up that failed half-way: nothing of it stays on the model or the process."""
+        for undo in (lambda: self._remove_hooks(), lambda: self.writer.close(0), lambda: shutdown.closed(self)):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 - the part was never made (AttributeError) or cannot be undone
+                pass
+        self.active = False
+
     def fail(self, exc: BaseException) -> None:
         """Stop recording after ``exc``: warn once, or raise in strict mode."""
         self.active = False
@@ -412,14 +429,21 @@ class Recorder:
         self._remove_sniff()  # the autocast dtype is known after the first iteration or never
         self._plan_step()
 
+    def came_through(self, framework: str) -> None:
+        """The scaler is set through ``framework``'s own arguments (``"lightning"``,
+        ``"accelerate"``): the report's recommendation is then written in them. No sync."""
+        self._run_metadata.came_through(framework)
+
     def scaler_dropped(self) -> None:
         """The scaler was garbage-collected without ``close()``: its model's hooks still hold this
         recorder, and would record every forward and backward of the model from now on (at full
         statistics forever if the scaler was dropped before its first ``update()``, whatever
-        scaler trains the model next). They return at once from now on; the run is finished at
-        exit, as an open run is. Called from the garbage collector, in any thread and at any
+        scaler trains the model next). They return at once from now on. Called from the garbage collector, in any thread and at any
         allocation, possibly while torch iterates the model's hook dictionaries: so it only sets
-        a flag (:meth:`ModuleTaps.stop`). No sync."""
+        a flag (:meth:`ModuleTaps.stop`). The caller then ends the writer's thread
+        (:meth:`RunWriter.close_when_dropped`): what was queued is written as the run's last
+        segment (the exit handler still closes this recorder: no final parameter check, its
+        scaler is gone). No sync."""
         taps = self._taps
         if taps is not None:
             taps.stop()
@@ -472,12 +496,21 @@ def _ignore(kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> No
     """A light step's observer with the flight recorder off (the GEMM operands are observed apart)."""
 
 
-def _when_dropped(recorder: "weakref.ref[Recorder]"):
-    """The callback of a recorder's weak reference to its scaler (holding the recorder weakly)."""
+def check_arguments(options: RecordOptions, model: torch.nn.Module | None) -> None:
+    """Raise for ampdoctor's own arguments that cannot go together (the user's to fix, unlike a
+    set-up that recording cannot use: :func:`~ampdoctor.record.scaler.recorder_for`)."""
+    if options.level == "full" and model is None:
+        raise ValueError("level='full' needs model=: the module taps are installed on it")
+
+
+def _when_dropped(recorder: "weakref.ref[Recorder]", writer: RunWriter):
+    """The callback of a recorder's weak reference to its scaler (holding the recorder weakly and
+    its writer strongly: the writer's thread must end even when the recorder went with the scaler)."""
     def dropped(_: weakref.ref) -> None:
         alive = recorder()
         if alive is not None:
             alive.scaler_dropped()
+        writer.close_when_dropped()
     return dropped
 
 

@@ -13,7 +13,8 @@ from .hooks import WRAPPER_CLASSES, clean_name
 from .options import RecordOptions
 from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_HIST_BINS, META_HIST_MIN_EXP,
                                META_GEMM_LAYERS, META_INIT_SCALE, META_LEVEL, META_MODULE_TYPES, META_RUN_ID,
-                               META_RUN_STARTED, META_SCALER_CLASS, META_SCALER_ENABLED, META_SCHEMA_VERSION,
+                               META_RUN_STARTED, META_SCALER_CLASS, META_SCALER_ENABLED, META_SCALER_FRAMEWORK,
+                               META_SCHEMA_VERSION,
                                META_TORCH_VERSION, META_VERSION, META_WORLD_SIZE, SCALER_META, SCHEMA_VERSION)
 
 # Every segment footer carries the module types: a cap keeps a model of thousands of indexed
@@ -40,10 +41,17 @@ class RunMetadata:
                 fixed[SCALER_META[name]] = str(getattr(scaler, f"_{name}"))
         if model is not None:
             fixed[META_MODULE_TYPES] = json.dumps(module_types(model), separators=(",", ":"))
+            if framework_of(model):
+                fixed[META_SCALER_FRAMEWORK] = framework_of(model)
         self._fixed = fixed
         self._world_size = str(world_size)
         self._options = options
         self.started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+    def came_through(self, framework: str) -> None:
+        """The run's scaler is set through ``framework``'s own arguments (``"lightning"``,
+        ``"accelerate"``): said by the integrations, which know."""
+        self._fixed[META_SCALER_FRAMEWORK] = framework
 
     def gemm_layers(self, layers: dict[str, str]) -> None:
         """The GEMM layers whose operands are recorded ({name: class name}; gemm_operands.py)."""
@@ -57,6 +65,23 @@ class RunMetadata:
             META_RUN_ID: run_id, META_RUN_STARTED: self.started, META_LEVEL: self._options.level,
             META_DROPPED_STEPS: str(dropped_steps),
         }
+
+
+# Where a model's class comes from -> the framework that builds the scaler for it.
+_FRAMEWORK_MODULES = (("lightning.pytorch.", "lightning"), ("pytorch_lightning.", "lightning"),
+                      ("lightning.fabric.", "fabric"), ("lightning_fabric.", "fabric"))
+
+
+def framework_of(model: torch.nn.Module) -> str | None:
+    """``"lightning"`` when ``model`` is a LightningModule, ``"fabric"`` when it is Fabric's module
+    wrapper: Lightning builds their scaler from its own arguments; else None. Reads class names
+    only."""
+    for cls in type(model).__mro__:
+        module = f"{cls.__module__}."
+        for prefix, framework in _FRAMEWORK_MODULES:
+            if module.startswith(prefix):
+                return framework
+    return None
 
 
 def module_types(model: torch.nn.Module, limit: int = MAX_MODULE_TYPES) -> dict[str, str]:

@@ -13,13 +13,15 @@ Synchronisation: no method here adds a host-device sync. ``step()`` keeps torch'
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ..errors import RecorderError
 from .options import RecordOptions
-from .recorder import Recorder
+from .recorder import Recorder, check_arguments
 from .run_identity import rank_and_world, shared_run_id
 
 _RECORDER = "_ampdoctor_recorder"
@@ -222,15 +224,30 @@ def unwrap(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler:
 
 def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, options: RecordOptions, *,
                  scaler_class: str, start_step: int = 0) -> Recorder | None:
-    """A :class:`Recorder` for this process, or None when its rank is not among ``options.ranks``.
+    """A :class:`Recorder` for this process, or None when its rank is not among ``options.ranks``
+    or recording cannot use this set-up.
+
+    Set-up that torch's scaler accepts never fails here: what recording cannot use (a device that
+    is not a device, a model whose modules refuse hooks, a directory that cannot be made) warns
+    and the scaler trains as torch's, unrecorded; ``strict=True`` raises :class:`RecorderError`
+    instead. ampdoctor's own arguments that cannot go together raise ``ValueError`` as always.
 
     Every rank of a run shares one ``run.id``: ``$AMPDOCTOR_RUN_ID`` or torchrun's
     ``$TORCHELASTIC_RUN_ID`` when set, else rank 0's, broadcast. That broadcast is a collective:
     with ``torch.distributed`` initialized (and no such variable), every rank must create its
     scaler, recording or not. It happens once, at construction. Rank 0's id is new, except when
     ``start_step`` > 0 (a resumed run): then it continues the latest run already at the path."""
+    check_arguments(options, model)
     rank, world_size = rank_and_world(options.rank)
     run_id = shared_run_id(world_size, options.path if start_step > 0 else None, model)
     if options.ranks is not None and rank not in options.ranks:
         return None
-    return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
+    try:
+        return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
+    except Exception as exc:  # noqa: BLE001 - recording set-up must not break training set-up
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        if options.strict:
+            raise RecorderError(f"ampdoctor cannot record with this set-up ({why})") from exc
+        warnings.warn(f"ampdoctor: cannot record with this set-up ({why}); the scaler trains as "
+                      f"{type(scaler).__name__} does, unrecorded", RuntimeWarning, stacklevel=3)
+        return None

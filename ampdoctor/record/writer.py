@@ -101,12 +101,17 @@ class _Doorbell:
     close with it."""
 
     def __init__(self) -> None:
+        self._receiver = self._sender = None  # opened with the worker: a writer never started holds none
+
+    def open(self) -> None:
+        """Make the socket pair (before the worker starts). Until then a ring does nothing."""
         try:
-            self._receiver, self._sender = socket.socketpair()
-            self._receiver.setblocking(False)
-            self._sender.setblocking(False)
+            receiver, sender = socket.socketpair()
+            receiver.setblocking(False)
+            sender.setblocking(False)
         except OSError:  # no sockets here: the worker only polls
-            self._receiver = self._sender = None
+            return
+        self._receiver, self._sender = receiver, sender
 
     def ring(self) -> None:
         if self._sender is not None:
@@ -228,10 +233,12 @@ class RunWriter:
         self._flush_countdown: int | None = None  # records to take before serving it
         self._pid = os.getpid()    # a forked child inherits this object, not its thread
         self._close_lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self.dropped = 0           # records dropped because the queue was full
-        # Daemon: a non-daemon thread would be joined before atexit handlers run, i.e. forever.
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
+        # Started by the first record (_start): a scaler that is made and never steps (a
+        # framework's set-up, a test) leaves no thread behind.
+        self._thread = _Worker(self, name)
+        self._started = False
         with _open_lock:
             _open_writers.add(self)
 
@@ -253,12 +260,30 @@ class RunWriter:
     def _check_alive(self) -> None:
         # (_finished is set before the thread ends: read after is_alive(), a worker finishing
         # between the two reads, as when a signal handler closes it, is not taken for dead)
-        if self._error is None and not self._thread.is_alive() and not self._finished:
+        if self._error is None and self._started and not self._thread.is_alive() and not self._finished:
             self._error = RuntimeError("the writer thread died")
+
+    def _start(self) -> None:
+        """Start the worker, once, when there is something to write. Only in the process that
+        made the writer: a forked child inherits this object, not its thread, and must not
+        write into the parent's segments (it fails instead: the recorder warns)."""
+        if self._started:
+            return
+        if os.getpid() != self._pid:
+            if self._error is None:
+                self._error = RuntimeError(f"the writer belongs to process {self._pid}: a forked child does not record")
+            return
+        with self._start_lock:
+            if not self._started and not self._closing:
+                self._wake.open()
+                self._thread.start()
+                self._started = True
 
     def put(self, record: Any) -> bool:
         """Queue a record; never blocks. False if it was not queued: recording has stopped, or
-        the queue is full (then it is counted in ``dropped``)."""
+        the queue is full (then it is counted in ``dropped``). The first one starts the worker."""
+        if not self._started:
+            self._start()
         if self.closed or self.failed:
             return False
         queued = len(self._queue)
@@ -278,6 +303,8 @@ class RunWriter:
         records' events have completed."""
         if self.closed or self.failed or (self._sync is not None and not self._sync.done):
             return False
+        if not self._started:
+            return True  # nothing was ever queued: all of it (nothing) is written
         if len(self._queue) >= self._queue_size:
             return False
         self._sync = marker = _Sync()
@@ -302,6 +329,13 @@ class RunWriter:
             self._closing = True
             self._queue.append(_CLOSE)  # (past the bound: the sentinel is never dropped)
             self._wake.ring()
+        if not self._started:  # never given a record: no thread to wait for
+            if first and not at_exit and os.getpid() == self._pid:
+                # The program closes a run that has no step: its one (empty) segment says so
+                # ("empty run"), written here; at exit, or by a scaler dropped unused, nothing.
+                self._guarded(lambda: self._write_segment(final=True))
+            self._forget()
+            return True
         if timeout is not None:
             self._thread.join(timeout)
         else:
@@ -309,10 +343,21 @@ class RunWriter:
                 self._thread.join(min(0.1, CLOSE_TIMEOUT))
         finished = not self._thread.is_alive()
         if finished:  # one still writing stays registered: the exit handler gives it its time
-            with _open_lock:
-                _open_writers.discard(self)
-            self._wake.close()
+            self._forget()
         return finished
+
+    def _forget(self) -> None:
+        """The worker has ended (or never started): nothing is left for the exit handler."""
+        with _open_lock:
+            _open_writers.discard(self)
+        self._wake.close()
+
+    def close_when_dropped(self) -> None:
+        """``close`` for a garbage collector callback (the scaler was dropped without
+        ``close()``): no lock, no wait, no queue operation; the worker writes the last segment
+        and ends by itself, so a dropped scaler leaves no thread behind. Idempotent."""
+        self._closing = True
+        self._wake.ring()
 
     def _answers(self) -> bool:
         """Whether a worker thread of this process can answer a signal handler's request."""
@@ -371,6 +416,8 @@ class RunWriter:
             self._serve()
         finally:
             self._wake.close_receiver()
+        if self._finished and not self._closed:  # closed when dropped: nobody else will forget it
+            self._forget()
 
     def _serve(self) -> None:
         while True:
@@ -456,6 +503,22 @@ class RunWriter:
         os.replace(tmp, self.path / name)  # atomic: readers see whole segments only
         self._segment += 1
         self._pending = Columns()
+
+
+class _Worker(threading.Thread):
+    """The writer's thread. Daemon: a non-daemon thread would be joined before atexit handlers
+    run, i.e. forever. ``stop()`` closes its writer (the protocol of test suites' thread checks,
+    Lightning's ``thread_police`` among them: a daemon thread left over with a ``stop`` is
+    stopped, not reported)."""
+
+    def __init__(self, writer: "RunWriter", name: str) -> None:
+        super().__init__(target=writer._work, name=name, daemon=True)
+        self._writer = writer
+
+    def stop(self) -> None:
+        """Close the writer: the last segment is written and the thread ends (within
+        :data:`CLOSE_TIMEOUT` of its last progress, as ``close()``)."""
+        self._writer.close()
 
 
 def close_all_writers(*, from_signal: bool = False, timeout: float | None = None, finish: bool = True) -> None:

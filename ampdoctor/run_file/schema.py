@@ -41,6 +41,10 @@ META_WORLD_SIZE = "world_size"
 META_DEVICE = "device"                    # device type of the gradients: "cuda", "cpu", ...
 META_AMP_DTYPE = "amp.dtype"              # autocast dtype: "float16", "bfloat16" or "float32"
 META_SCALER_CLASS = "scaler.class"
+# The framework whose own arguments set the scaler ("lightning", "fabric", "accelerate"), where the
+# run came through it (an ampdoctor integration, or a Lightning model); absent otherwise and
+# in runs before 2026-11-28. The recommendation's line to paste is then in that framework's words.
+META_SCALER_FRAMEWORK = "scaler.framework"
 META_SCALER_ENABLED = "scaler.enabled"    # "true" / "false"
 META_INIT_SCALE = "scaler.init_scale"     # the scale when recording started
 META_GROWTH_FACTOR = "scaler.growth_factor"
@@ -71,7 +75,7 @@ META_KEYS = (
     META_SCHEMA_VERSION, META_VERSION, META_TORCH_VERSION, META_WRITER, META_SEGMENT, META_FINAL, META_RANK,
     META_WORLD_SIZE, META_DEVICE, META_AMP_DTYPE, META_SCALER_CLASS, META_SCALER_ENABLED, *SCALER_META.values(),
     META_HIST_MIN_EXP, META_HIST_BINS, META_RUN_ID, META_RUN_STARTED, META_LEVEL, META_DROPPED_STEPS,
-    META_UNWRITTEN_AT_EXIT, META_MODULE_TYPES, META_GEMM_LAYERS,
+    META_UNWRITTEN_AT_EXIT, META_MODULE_TYPES, META_GEMM_LAYERS, META_SCALER_FRAMEWORK,
 )
 
 

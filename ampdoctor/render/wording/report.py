@@ -98,8 +98,17 @@ def nonfinite_loss_steps(steps):
 # -- the recommendation (analysis/recommend.py) ------------------------------------------------------
 
 @register
-def scaler_code(device, settings):
-    return f'torch.amp.GradScaler("{device}", {settings_phrase(settings)})'
+def scaler_code(device, settings, scaler="torch.amp.GradScaler", framework=None):
+    """The line to paste: the run's scaler class constructed with the settings, or, for a run that
+    came through a framework, the framework's own constructor that passes them on."""
+    keywords = settings_phrase(settings)
+    if framework == "accelerate":
+        return f'Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs({keywords})])'
+    call = f'{scaler}("{device}", {keywords})'
+    if framework in ("lightning", "fabric"):
+        owner = "Trainer" if framework == "lightning" else "Fabric"
+        return f'{owner}(plugins=[MixedPrecision("16-mixed", "{device}", scaler={call})])'
+    return call
 
 
 @register

@@ -1,0 +1,153 @@
+"""ampdoctor inside other people's processes (issue 40): no thread before there is something to
+write and none after the scaler is closed or dropped, set-up that torch's scaler accepts never
+refused, and what a test suite's thread check (Lightning's ``thread_police``) asks of a thread."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import warnings
+from unittest.mock import Mock
+
+import pytest
+import torch
+
+import ampdoctor
+from ampdoctor.errors import RecorderError
+from ampdoctor.read.run import read_run
+from ampdoctor.record import shutdown
+from models import MLP, batches, mse
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("ampdoctor")]
+
+
+def _wait_for_no_writer_threads(seconds: float = 10.0) -> list[threading.Thread]:
+    deadline = time.monotonic() + seconds
+    while _writer_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _writer_threads()
+
+
+def _steps(run) -> list[int]:
+    return sorted(run.frame.loc[run.frame.kind == "step", "step"].tolist())
+
+
+def _train(scaler, model, steps: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for x, y in batches(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = mse(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(autouse=True)
+def no_threads_before():
+    assert not _wait_for_no_writer_threads(), "a writer thread was left by an earlier test"
+
+
+def test_a_scaler_that_never_steps_starts_no_thread_and_writes_no_run(tmp_path):
+    """A framework's set-up or a test builds a scaler and lets it go: nothing runs, nothing is
+    written, nothing is left for the exit handler."""
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run", level="full")
+    assert scaler.recorder is not None and not _writer_threads()
+    writer = scaler.recorder.writer
+    del scaler
+    gc.collect()
+    assert not _writer_threads()
+    assert not list((tmp_path / "run").glob("*.parquet"))
+    closed = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "closed")
+    closed.close()  # the program's own close: the run is written, empty, with no thread
+    assert not _writer_threads() and len(list((tmp_path / "closed").glob("*.parquet"))) == 1
+    from ampdoctor.record import writer as writer_module
+    assert writer not in writer_module._open_writers or not writer._started
+
+
+@pytest.mark.parametrize("level", ["params", "full"])
+def test_a_scaler_dropped_without_close_ends_its_thread_and_finishes_its_run(tmp_path, level):
+    """Training started the writer; the scaler is then dropped without ``close()`` (a test that
+    lets it go out of scope): the thread writes the last segment and ends by itself, while the
+    model, whose hooks still hold the recorder, lives on."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run", level=level)
+    _train(scaler, model, 4)
+    assert _writer_threads()
+    del scaler
+    gc.collect()
+    assert not _wait_for_no_writer_threads(), "the dropped scaler's writer thread is still alive"
+    run = read_run(tmp_path / "run")
+    assert run.ended_cleanly and _steps(run) == [0, 1, 2, 3]
+    assert model(torch.randn(2, 16)).shape == (2, 4)  # the model trains on, its taps inert
+
+
+def test_a_left_over_writer_thread_stops_when_asked(tmp_path):
+    """Lightning's ``thread_police`` fixture (and others like it) calls ``stop()`` on a daemon
+    thread a test left behind and then requires it to be gone: the writer's thread closes its
+    run and ends."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run")
+    _train(scaler, model, 3)
+    (thread,) = _writer_threads()
+    assert thread.daemon and callable(getattr(thread, "stop", None))
+    thread.stop()
+    assert not thread.is_alive()
+    assert read_run(tmp_path / "run").ended_cleanly
+    _train(scaler, model, 2)  # the scaler trains on, no longer recording: no thread comes back
+    assert not _writer_threads()
+    scaler.close()
+
+
+def test_a_device_torch_accepts_is_accepted(tmp_path):
+    """Lightning's test builds ``MixedPrecision("16-mixed", device=Mock())``: torch's scaler keeps
+    any device object. ampdoctor's does too, warns that it cannot record, and is torch's."""
+    with pytest.warns(RuntimeWarning, match=r"cannot record with this set-up \(TypeError: .*\); the scaler "
+                                            r"trains as GradScaler does, unrecorded"):
+        scaler = ampdoctor.GradScaler(device=Mock(), path=tmp_path / "a")
+    assert scaler.recorder is None and not _writer_threads()
+    plain = torch.amp.GradScaler(device=Mock())
+    with pytest.warns(RuntimeWarning, match="cannot record with this set-up"):
+        assert ampdoctor.wrap(plain, path=tmp_path / "b") is plain
+    assert type(plain) is torch.amp.GradScaler  # left as it was
+    with pytest.raises(RecorderError, match=r"cannot record with this set-up \(TypeError"):
+        ampdoctor.GradScaler(device=Mock(), path=tmp_path / "c", strict=True)
+    # ampdoctor's own arguments that cannot go together are still the user's to fix
+    with pytest.raises(ValueError, match="level='full' needs model="):
+        ampdoctor.GradScaler("cpu", path=tmp_path / "d", level="full")
+    assert not list(tmp_path.glob("*/*.parquet"))
+
+
+def test_a_set_up_that_fails_half_way_leaves_nothing_behind_and_trains_as_torch(tmp_path, monkeypatch):
+    """Set-up fails late (here the exit handler's registration, after the writer, the module taps
+    and the autocast sniffing hook were made): a warning, no hook left on any module, no thread,
+    no exit entry, and training bit-identical to torch's scaler."""
+    def refuse(recorder):
+        raise RuntimeError("no exit handler here")
+
+    monkeypatch.setattr(shutdown, "opened", refuse)
+    torch.manual_seed(0)
+    model = MLP()
+    before = len(shutdown._open_recorders)
+    with pytest.warns(RuntimeWarning, match=r"cannot record with this set-up \(RuntimeError: no exit handler here\)"):
+        scaler = ampdoctor.GradScaler("cpu", model=model, path=tmp_path / "run", level="full", init_scale=2.0**20)
+    assert scaler.recorder is None and len(shutdown._open_recorders) == before
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    losses = _train(scaler, model, 6)
+    torch.manual_seed(0)
+    reference = MLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        expected = _train(torch.amp.GradScaler("cpu", init_scale=2.0**20), reference, 6)
+    assert losses == expected
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    assert not _writer_threads()
