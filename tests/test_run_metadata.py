@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.run_file.schema import META_KEYS, META_LEVEL, META_MODULE_TYPES, META_SCALER_CLASS, SCALER_META
+from ampdoctor.run_file.schema import (META_KEYS, META_LEVEL, META_MODULE_TYPES, META_SCALER_CLASS, META_SCALER_FRAMEWORK,
+                                       SCALER_META)
 from models import MLP, batches, mse
 
 
@@ -32,7 +33,8 @@ def test_every_metadata_key_a_run_writes_is_named_in_the_schema(tmp_path, enable
         assert keys <= set(META_KEYS), keys - set(META_KEYS)
         # only a disabled torch scaler lacks its settings (it has none)
         absent = {SCALER_META[name] for name in ("growth_factor", "backoff_factor", "growth_interval")}
-        assert set(META_KEYS) - keys == (set() if enabled else absent)
+        # ... and scaler.framework is written only for a run that came through a framework
+        assert set(META_KEYS) - keys == (set() if enabled else absent) | {META_SCALER_FRAMEWORK}
         assert metadata[META_SCALER_CLASS.encode()] == b"torch.amp.grad_scaler.GradScaler"
         assert metadata[META_LEVEL.encode()] == b"full"
 
@@ -114,3 +116,19 @@ def test_module_types_absent_without_model_and_capped(tmp_path):
     many = torch.nn.ModuleList([torch.nn.Identity() for _ in range(MAX_MODULE_TYPES + 50)])
     capped = module_types(many)
     assert len(capped) == MAX_MODULE_TYPES and capped[str(MAX_MODULE_TYPES - 1)] == "Identity"
+
+
+# -- scaler.framework: whose arguments set the scaler ----------------------------------------------
+
+@pytest.mark.parametrize("module, expected", [
+    ("lightning.pytorch.core.module", "lightning"), ("pytorch_lightning.core.module", "lightning"),
+    ("lightning.fabric.wrappers", "fabric"), ("my_project.models", None)])
+def test_a_model_s_framework_is_told_by_its_classes(module, expected):
+    """A LightningModule (or Fabric's wrapper) anywhere in the model's class hierarchy: Lightning
+    builds its scaler from its own arguments (issue 40). Class names only are read."""
+    from torch import nn
+    from ampdoctor.record.run_metadata import framework_of
+
+    base = type("Base", (nn.Module,), {"__module__": module})
+    user_model = type("UserModel", (base,), {"__module__": "train"})
+    assert framework_of(user_model()) == expected

@@ -244,6 +244,8 @@ def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, op
         return None
     try:
         return Recorder(scaler, model, options, scaler_class=scaler_class, start_step=start_step, run_id=run_id)
+    except RecorderError:
+        raise  # strict mode, raised by the recorder's own failure path already
     except Exception as exc:  # noqa: BLE001 - recording set-up must not break training set-up
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if options.strict:
