@@ -212,3 +212,41 @@ def test_a_run_that_came_through_accelerate_is_advised_in_its_arguments(tmp_path
     accelerator = eval(rec["code"], {"Accelerator": accelerate.Accelerator,  # noqa: S307
                                      "GradScalerKwargs": accelerate.utils.GradScalerKwargs})
     assert accelerator.scaler_handler.init_scale == rec["init_scale"]
+
+
+def test_under_lightning_s_fsdp_the_line_sets_the_plugin_s_scaler():
+    """Lightning's FSDPPrecision refuses a scaler passed to it, so for a Lightning (or Fabric) run
+    with FSDP's ShardedGradScaler the line sets the precision plugin's scaler; executed on a
+    Trainer, it puts a ShardedGradScaler with the settings there."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import warnings
+
+    import torch.distributed.fsdp.sharded_grad_scaler as sharded
+    from lightning.pytorch.plugins import MixedPrecision
+    from ampdoctor.analysis.scaler_config import SHARDED_SCALER
+    from ampdoctor.render.wording.report import scaler_code
+
+    code = scaler_code("cpu", {"init_scale": 2.0**12}, scaler=SHARDED_SCALER, framework="lightning")
+    assert code == f'trainer.precision_plugin.scaler = {SHARDED_SCALER}("cpu", init_scale=2**12)  # before fit'
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, plugins=[MixedPrecision("16-mixed", "cpu")])
+    exec(code, {"trainer": trainer, "torch": torch})  # noqa: S102 - our own generated line
+    assert type(trainer.precision_plugin.scaler) is sharded.ShardedGradScaler
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**12
+    assert scaler_code("cuda", {"init_scale": 2.0**12}, scaler=SHARDED_SCALER, framework="fabric").startswith(
+        "fabric.strategy.precision.scaler = ")
+
+
+def test_a_subclass_of_ampdoctor_s_scaler_is_the_user_s_class(tmp_path):
+    import ampdoctor
+    from models import QuietMLP
+
+    class Mine(ampdoctor.GradScaler):
+        pass
+
+    scaler = Mine("cpu", model=QuietMLP(), path=tmp_path / "run")
+    assert scaler.recorder._run_metadata._fixed["scaler.class"].endswith("<locals>.Mine")
+    scaler.close()
+    from ampdoctor.analysis.scaler_config import scaler_constructor
+    assert scaler_constructor(f"{__name__}.test_a_subclass.<locals>.Mine") == "Mine"

@@ -61,17 +61,21 @@ class ScalerConfig:
 # Recorded scaler classes that the line to paste names as torch's scaler: torch's own (its
 # deprecated per-device aliases too) and ampdoctor's drop-in, which is torch's while not recording.
 _TORCH_SCALERS = frozenset({"torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler",
-                            "torch.cpu.amp.grad_scaler.GradScaler", "ampdoctor.GradScaler"})
+                            "torch.cpu.amp.grad_scaler.GradScaler", "ampdoctor.GradScaler",
+                            "ampdoctor.record.scaler.GradScaler"})
+SHARDED_SCALER = "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
 FRAMEWORKS = ("lightning", "fabric", "accelerate")  # whose own arguments the line to paste can use
 
 
 def scaler_constructor(recorded_class: str | None) -> str:
     """The class the recommendation's line constructs: the run's own (FSDP's ``ShardedGradScaler``,
-    a subclass), by the module path it was recorded with (a class defined in the script itself by
-    its name alone), and ``torch.amp.GradScaler`` for torch's and ampdoctor's scalers and for runs
-    that do not say."""
+    a subclass), by the module path it was recorded with (a class defined in the script itself, or
+    inside a function, by its name alone: no path imports it), and ``torch.amp.GradScaler`` for
+    torch's and ampdoctor's scalers and for runs that do not say."""
     if not recorded_class or recorded_class in _TORCH_SCALERS:
         return "torch.amp.GradScaler"
+    if "<locals>" in recorded_class:
+        return recorded_class.rpartition(".")[2]
     return recorded_class.removeprefix("__main__.")
 
 

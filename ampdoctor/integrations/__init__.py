@@ -55,8 +55,9 @@ class CallbackRun:
         options.setdefault("amp_dtype", torch.float16)
         start = start_step if self.start_step is None else self.start_step
         self.scaler = wrap(scaler, model=model, path=self.path, start_step=start, **options)
-        if self.framework is not None and self.scaler.recorder is not None:
-            self.scaler.recorder.came_through(self.framework)
+        recorder = getattr(self.scaler, "recorder", None)  # (none: a rank not recording, a set-up it cannot use)
+        if self.framework is not None and recorder is not None:
+            recorder.came_through(self.framework)
 
     def close(self) -> None:
         """Finish the run and give the scaler its plain class back. Idempotent."""

@@ -56,6 +56,7 @@ def instrument(accelerator, *, model: torch.nn.Module | None = None,
     if accelerator.mixed_precision == "fp16":
         options.setdefault("amp_dtype", torch.float16)
     scaler = wrap(scaler, model=model, path=path, **options)
-    if scaler.recorder is not None:  # (None: a rank that does not record, or a set-up it cannot use)
-        scaler.recorder.came_through("accelerate")
+    recorder = getattr(scaler, "recorder", None)  # (none: a rank that does not record, a set-up it cannot use)
+    if recorder is not None:
+        recorder.came_through("accelerate")
     return scaler

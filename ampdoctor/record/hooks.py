@@ -124,6 +124,11 @@ def select_modules(model: nn.Module, modules: ModuleFilter = None) -> list[tuple
     return out
 
 
+def check_module_filter(modules: ModuleFilter) -> None:
+    """Raise ``TypeError`` for a ``modules=`` that is none of the forms :func:`select_modules` takes."""
+    _matcher(modules)
+
+
 def _matcher(modules: ModuleFilter) -> Callable[[str, nn.Module], bool]:
     if modules is None:
         return lambda name, m: not isinstance(m, CONTAINERS)

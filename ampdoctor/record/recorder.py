@@ -29,7 +29,7 @@ from . import shutdown
 from .anomalies import AnomalyWatch
 from .gemm_operands import MAX_FINE_HISTS, GemmOperands, is_gemm
 from .handoff import start_copies, step_scalars
-from .hooks import ModuleCall, ModuleHook, ModuleTaps, clean_name, is_compiled, unwrap_model
+from .hooks import ModuleCall, ModuleHook, ModuleTaps, check_module_filter, clean_name, is_compiled, unwrap_model
 from .light_taps import LightTaps, Repeat
 from .live_status import LiveStatus
 from .measured_steps import MeasuredSteps
@@ -154,9 +154,18 @@ class Recorder:
         self._plan_step()
 
     # -- lifecycle -------------------------------------------------------------------------
+    def _stop_recording(self) -> None:
+        """The writer was closed by someone else (its thread's ``stop()``, a signal): stop the
+        taps and observations, which would compute for nobody. No warning: nothing failed."""
+        self.active = False
+        self._remove_hooks()
+        self._measured.drop("recording stopped")
+
     def _abandon(self) -> None:
-        """Undo a set-up that failed half-way: nothing of it stays on the model or the process."""
-        for undo in (lambda: self._remove_hooks(), lambda: self.writer.close(0), lambda: shutdown.closed(self)):
+        """Undo a set-up that failed half-way: nothing of it stays on the model, the disk or the
+        process (the writer never started: closed as at exit, it writes nothing)."""
+        for undo in (lambda: self._remove_hooks(), lambda: self.writer.close(0, at_exit=True),
+                     lambda: shutdown.closed(self)):
             try:
                 undo()
             except Exception:  # noqa: BLE001 - the part was never made (AttributeError) or cannot be undone
@@ -386,6 +395,9 @@ class Recorder:
         if self.writer.failed:
             self.fail(self.writer.error)
             return
+        if self.writer.closed:  # closed from outside: a thread check's stop(), a signal; nothing more is written
+            self._stop_recording()
+            return
         taps, self._tap_obs = self._tap_obs, []
         for repeat in self._tap_repeats.values():
             repeat.clear()
@@ -497,10 +509,13 @@ def _ignore(kind: str, call: ModuleCall, order: int, tensor: torch.Tensor) -> No
 
 
 def check_arguments(options: RecordOptions, model: torch.nn.Module | None) -> None:
-    """Raise for ampdoctor's own arguments that cannot go together (the user's to fix, unlike a
-    set-up that recording cannot use: :func:`~ampdoctor.record.scaler.recorder_for`)."""
+    """Raise for ampdoctor's own arguments that are wrong or cannot go together (the user's to
+    fix, unlike a set-up that recording cannot use: :func:`~ampdoctor.record.scaler.recorder_for`)."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
     if options.level == "full" and model is None:
         raise ValueError("level='full' needs model=: the module taps are installed on it")
+    check_module_filter(options.modules)
 
 
 def _when_dropped(recorder: "weakref.ref[Recorder]", writer: RunWriter):

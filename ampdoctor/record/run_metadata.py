@@ -41,8 +41,9 @@ class RunMetadata:
                 fixed[SCALER_META[name]] = str(getattr(scaler, f"_{name}"))
         if model is not None:
             fixed[META_MODULE_TYPES] = json.dumps(module_types(model), separators=(",", ":"))
-            if framework_of(model):
-                fixed[META_SCALER_FRAMEWORK] = framework_of(model)
+            framework = framework_of(model)
+            if framework is not None:
+                fixed[META_SCALER_FRAMEWORK] = framework
         self._fixed = fixed
         self._world_size = str(world_size)
         self._options = options

@@ -166,8 +166,9 @@ class GradScaler(_Recording, torch.amp.GradScaler):
                  start_step: int = 0, **options: Any) -> None:
         record_options = RecordOptions(path=path, **options)  # validate before touching torch state
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
-        recorder = recorder_for(self, model, record_options, scaler_class="ampdoctor.GradScaler",
-                                start_step=start_step)
+        own = type(self)  # a subclass of ours is the user's class: its advice names it
+        scaler_class = "ampdoctor.GradScaler" if own is GradScaler else f"{own.__module__}.{own.__qualname__}"
+        recorder = recorder_for(self, model, record_options, scaler_class=scaler_class, start_step=start_step)
         if recorder is not None:  # None: a rank that does not record (``ranks=``)
             self.__dict__[_RECORDER] = recorder
 
@@ -247,9 +248,10 @@ def recorder_for(scaler: torch.amp.GradScaler, model: torch.nn.Module | None, op
     except RecorderError:
         raise  # strict mode, raised by the recorder's own failure path already
     except Exception as exc:  # noqa: BLE001 - recording set-up must not break training set-up
-        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        message = str(exc).strip()
+        why = f"{type(exc).__name__}: {message.splitlines()[0]}" if message else type(exc).__name__
         if options.strict:
             raise RecorderError(f"ampdoctor cannot record with this set-up ({why})") from exc
-        warnings.warn(f"ampdoctor: cannot record with this set-up ({why}); the scaler trains as "
-                      f"{type(scaler).__name__} does, unrecorded", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"ampdoctor: cannot record with this set-up ({why}); the scaler trains unrecorded, "
+                      "as torch's GradScaler", RuntimeWarning, stacklevel=3)
         return None

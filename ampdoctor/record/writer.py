@@ -238,9 +238,7 @@ class RunWriter:
         # Started by the first record (_start): a scaler that is made and never steps (a
         # framework's set-up, a test) leaves no thread behind.
         self._thread = _Worker(self, name)
-        self._started = False
-        with _open_lock:
-            _open_writers.add(self)
+        self._started = False  # (registered in _open_writers then: the exit handler has nothing to do before)
 
     # -- training-thread side -------------------------------------------------------------
     @property
@@ -263,10 +261,11 @@ class RunWriter:
         if self._error is None and self._started and not self._thread.is_alive() and not self._finished:
             self._error = RuntimeError("the writer thread died")
 
-    def _start(self) -> None:
-        """Start the worker, once, when there is something to write. Only in the process that
-        made the writer: a forked child inherits this object, not its thread, and must not
-        write into the parent's segments (it fails instead: the recorder warns)."""
+    def _start(self, *, closing: bool = False) -> None:
+        """Start the worker, once, when there is something to write (``closing``: the final,
+        empty segment of a run closed before its first record). Only in the process that made
+        the writer: a forked child inherits this object, not its thread, and must not write into
+        the parent's segments (it fails instead: the recorder warns)."""
         if self._started:
             return
         if os.getpid() != self._pid:
@@ -274,10 +273,18 @@ class RunWriter:
                 self._error = RuntimeError(f"the writer belongs to process {self._pid}: a forked child does not record")
             return
         with self._start_lock:
-            if not self._started and not self._closing:
-                self._wake.open()
+            if self._started or (self._closing and not closing):
+                return
+            with _open_lock:  # from now on the exit handler finishes it
+                _open_writers.add(self)
+            self._wake.open()
+            try:
                 self._thread.start()
-                self._started = True
+            except BaseException:  # (no thread to be had: recording fails, the sockets go)
+                self._wake.close_receiver()
+                self._forget()
+                raise
+            self._started = True
 
     def put(self, record: Any) -> bool:
         """Queue a record; never blocks. False if it was not queued: recording has stopped, or
@@ -329,13 +336,18 @@ class RunWriter:
             self._closing = True
             self._queue.append(_CLOSE)  # (past the bound: the sentinel is never dropped)
             self._wake.ring()
-        if not self._started:  # never given a record: no thread to wait for
-            if first and not at_exit and os.getpid() == self._pid:
-                # The program closes a run that has no step: its one (empty) segment says so
-                # ("empty run"), written here; at exit, or by a scaler dropped unused, nothing.
-                self._guarded(lambda: self._write_segment(final=True))
-            self._forget()
-            return True
+        with self._start_lock:  # (a put() on another thread may be starting the worker now)
+            started = self._started
+        if not started:  # never given a record
+            if not (first and not at_exit and os.getpid() == self._pid):
+                return True  # at exit, or a scaler dropped or abandoned unused: nothing to write
+            # The program closes a run that has no step: its one (empty) segment says so ("empty
+            # run"), written by the worker, waited for as any close (a stalled disk: 5 s).
+            try:
+                self._start(closing=True)
+            except Exception as exc:  # noqa: BLE001 - no thread: the run is not written
+                self._error = self._error or exc
+                return True
         if timeout is not None:
             self._thread.join(timeout)
         else:
@@ -416,8 +428,10 @@ class RunWriter:
             self._serve()
         finally:
             self._wake.close_receiver()
-        if self._finished and not self._closed:  # closed when dropped: nobody else will forget it
-            self._forget()
+        if self._finished and not self._closed:  # closed when dropped or by a signal: nobody else will
+            # forget it. No lock: the thread a signal interrupted may hold _open_lock, and a signal
+            # handler joins this thread (set.discard is atomic under the GIL).
+            _open_writers.discard(self)
 
     def _serve(self) -> None:
         while True:

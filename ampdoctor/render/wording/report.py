@@ -105,9 +105,13 @@ def scaler_code(device, settings, scaler="torch.amp.GradScaler", framework=None)
     if framework == "accelerate":
         return f'Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs({keywords})])'
     call = f'{scaler}("{device}", {keywords})'
+    if framework in ("lightning", "fabric") and scaler.endswith(".ShardedGradScaler"):
+        # Lightning's FSDPPrecision refuses a scaler passed to it (2.6): set the plugin's own
+        holder = "trainer.precision_plugin" if framework == "lightning" else "fabric.strategy.precision"
+        return f"{holder}.scaler = {call}  # before fit"
     if framework in ("lightning", "fabric"):
         owner = "Trainer" if framework == "lightning" else "Fabric"
-        return f'{owner}(plugins=[MixedPrecision("16-mixed", "{device}", scaler={call})])'
+        return f'{owner}(plugins=[MixedPrecision("16-mixed", "{device}", scaler={call})])  # in place of precision="16-mixed"'
     return call
 
 
