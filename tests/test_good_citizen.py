@@ -222,3 +222,24 @@ def test_a_close_while_the_first_record_starts_the_worker_writes_one_final_segme
     closers[0].join(10)
     assert not closers[0].is_alive() and not w._thread.is_alive()
     assert len(list((tmp_path / "run").glob("*.parquet"))) == 1
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_the_exit_handler_lets_native_threads_finish_under_torch_distributed(monkeypatch, distributed):
+    """The SIGABRT at exit of two-rank gloo runs (benchmarks/spawn_probe.py; gdb on the cores: gloo's
+    pt_gloo_runloop thread ended by pthread_exit inside a work object's destructor, needing the
+    GIL for a contextvars.Context once finalization began): with torch.distributed loaded the exit
+    handler lets go of the GIL last, for NATIVE_RELEASE_SECONDS, inside the exit's bound."""
+    import sys
+
+    slept, bounds = [], []
+    monkeypatch.setattr(shutdown.time, "sleep", slept.append)
+    monkeypatch.setattr(shutdown, "close_all_writers", lambda timeout: bounds.append(timeout))
+    monkeypatch.setattr(shutdown, "_open_recorders", set())
+    if distributed:
+        import torch.distributed  # noqa: F401
+    else:
+        monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
+    shutdown._at_exit()
+    assert slept == ([shutdown.NATIVE_RELEASE_SECONDS] if distributed else [])
+    assert bounds[0] <= shutdown.EXIT_TIMEOUT - (shutdown.NATIVE_RELEASE_SECONDS if distributed else 0)

@@ -7,7 +7,10 @@ no lock (the interrupted frame may hold any of them), closes every writer within
 and then lets the previous handler, or the default, act. SIGINT is Python's KeyboardInterrupt:
 the interpreter's exit, so the exit handler's bound. A writer that has not finished by then is
 left behind (a daemon thread): the run keeps its closed segments and says it did not end cleanly,
-or, when the writer only had records left to turn into rows, how many steps it lacks.
+or, when the writer only had records left to turn into rows, how many steps it lacks. Last, in a
+process with ``torch.distributed`` loaded, the handler lets go of the GIL for
+:data:`NATIVE_RELEASE_SECONDS` (within the same bound), which keeps torch's gloo thread from being
+ended inside a destructor by the finalizing interpreter (SIGABRT after the work is done).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -34,6 +38,15 @@ class OpenRun(Protocol):
 
 
 EXIT_TIMEOUT = EXIT_SECONDS  # seconds the exit may take in all: a hung disk must not hang the exit
+# At exit, with torch.distributed loaded: how long the main thread lets go of the GIL last, so that
+# a native thread still waiting for it drops its Python references before the interpreter
+# finalizes. gloo's worker thread (pt_gloo_runloop) frees each finished all-reduce's work object,
+# whose saved thread-local state holds the contextvars.Context torch stashes for every backward;
+# if it takes the GIL only once finalization has begun, Python ends it with pthread_exit inside a
+# noexcept destructor: std::terminate ("terminate called without an active exception"), SIGABRT,
+# after the work is done. Plain torch does it too (about one two-rank DDP run in ten on a loaded
+# 2-core machine); benchmarks/spawn_probe.py counts it (docs/benchmarks.md).
+NATIVE_RELEASE_SECONDS = 0.05
 
 _open_recorders: "weakref.WeakSet[OpenRun]" = weakref.WeakSet()
 _sigterm_installed = False
@@ -56,7 +69,8 @@ def _at_exit() -> None:
     recorders first, then writers left without one. Never raises: one run's failure (even with
     ``strict=True``) must not keep the others from closing."""
     global _exit_deadline
-    deadline = _exit_deadline = time.monotonic() + EXIT_TIMEOUT
+    release = NATIVE_RELEASE_SECONDS if "torch.distributed" in sys.modules else 0.0
+    deadline = _exit_deadline = time.monotonic() + EXIT_TIMEOUT - release
     for recorder in list(_open_recorders):
         try:
             recorder.close(max(0.0, deadline - time.monotonic()), at_exit=True)
@@ -64,6 +78,8 @@ def _at_exit() -> None:
             warnings.warn(f"ampdoctor: closing {recorder.path} at exit failed ({type(exc).__name__}: {exc})",
                           RuntimeWarning)
     close_all_writers(timeout=max(0.0, deadline - time.monotonic()))
+    if release:  # (atexit handlers run before finalization begins: a thread waiting for the GIL gets it now)
+        time.sleep(release)
 
 
 def _install_sigterm_handler() -> None:
