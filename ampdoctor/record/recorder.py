@@ -73,7 +73,7 @@ class Recorder:
     def __init__(self, scaler: torch.amp.GradScaler, model: torch.nn.Module | None,
                  options: RecordOptions, *, scaler_class: str, start_step: int = 0,
                  run_id: str | None = None) -> None:
-        check_arguments(options, model)
+        # (ampdoctor's own arguments were checked by recorder_for, the one caller: check_arguments)
         try:
             self._set_up(scaler, model, options, scaler_class, start_step, run_id)
         except BaseException:
@@ -450,12 +450,12 @@ class Recorder:
         """The scaler was garbage-collected without ``close()``: its model's hooks still hold this
         recorder, and would record every forward and backward of the model from now on (at full
         statistics forever if the scaler was dropped before its first ``update()``, whatever
-        scaler trains the model next). They return at once from now on. Called from the garbage collector, in any thread and at any
-        allocation, possibly while torch iterates the model's hook dictionaries: so it only sets
-        a flag (:meth:`ModuleTaps.stop`). The caller then ends the writer's thread
-        (:meth:`RunWriter.close_when_dropped`): what was queued is written as the run's last
-        segment (the exit handler still closes this recorder: no final parameter check, its
-        scaler is gone). No sync."""
+        scaler trains the model next). They return at once from now on. Called from the garbage
+        collector, in any thread and at any allocation, possibly while torch iterates the model's
+        hook dictionaries: so it only sets a flag (:meth:`ModuleTaps.stop`). The caller then ends
+        the writer's thread (:meth:`RunWriter.close_when_dropped`): what was queued is written as
+        the run's last segment (the exit handler still closes this recorder: no final parameter
+        check, its scaler is gone). No sync."""
         taps = self._taps
         if taps is not None:
             taps.stop()
