@@ -20,8 +20,8 @@ from importlib import metadata
 
 from .errors import AmpdoctorError, one_line
 
-# The packages a run needs (writing: torch too; the HTML charts: matplotlib).
-PACKAGES = ("numpy", "pyarrow", "pandas", "click", "matplotlib", "torch")
+# The packages a run needs (writing: torch too; the HTML charts: matplotlib; the reading side: duckdb).
+PACKAGES = ("numpy", "pyarrow", "pandas", "click", "matplotlib", "torch", "duckdb")
 
 # (package, first version, end version, the numpy major it needs, the fix): pairs that fail to
 # import whatever ampdoctor does. Measured in fresh environments (docs/supported-versions.md).

@@ -13,6 +13,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from ampdoctor.read import engine
 from ampdoctor.read import run as run_module
 from ampdoctor.run_file import segment as segment_module
 from ampdoctor.cli.commands import main
@@ -367,6 +369,17 @@ def _data_io_error(monkeypatch, files) -> None:
 
     for name in ("read_table", "read_schema", "ParquetFile"):
         monkeypatch.setattr(run_module.pq, name, failing(getattr(pq, name)))
+
+    # The query engine reads the files itself: it fails as DuckDB does on such a file, while one
+    # of them is still among the segments it reads.
+    answer = engine.Session._answer
+
+    def failing_answer(self, sql, params):
+        if any(s.path in files and s.path not in self.run.unreadable_segments for s in self.run.segments):
+            raise duckdb.IOException(f"IO Error: {os.strerror(errno.EIO)}")
+        return answer(self, sql, params)
+
+    monkeypatch.setattr(engine.Session, "_answer", failing_answer)
 
 
 DATA_FAILURES = {"removed": (lambda monkeypatch, files: [f.unlink() for f in files], "No such file or directory"),

@@ -315,15 +315,18 @@ class Tails:
 
 class Samples:
     """Per key, the latest sampled step's figures, carried to the light rows after it (streamed in
-    each rank's step order; light rows before their key's first sample wait for it)."""
+    each rank's step order; light rows before their key's first sample wait for it).
+
+    Numpy on columns (a dict of arrays per table): at the default cadence 99 rows in 100 are light,
+    so this runs on nearly every row of a run; no frame per batch."""
 
     def __init__(self, bins: int, min_exp: int) -> None:
         self.bins, self.min_exp = bins, min_exp
-        self._last: pd.DataFrame | None = None      # one row per key: its latest sample before this batch
+        self._last: dict | None = None               # one row per key: its latest sample before this batch
         self._cumsum = np.zeros((0, bins + 1))       # row i: the histogram cumsum of sample i
-        self._batch: pd.DataFrame | None = None      # the samples of the batch being read
-        self._first: pd.DataFrame | None = None      # one row per key: its first sample (for rows before it)
-        self._pending: list[pd.DataFrame] = []
+        self._batch: dict | None = None              # the samples of the batch being read
+        self._first: dict | None = None              # one row per key: its first sample (for rows before it)
+        self._pending: list[dict] = []
         self._pending_rows = 0
         self.dropped = 0                             # light rows that found no sample (beyond MAX_PENDING_ROWS)
 
@@ -332,97 +335,97 @@ class Samples:
         every batch, before :meth:`carry`. The previous batch's samples become the latest ones
         before this batch."""
         if self._batch is not None:
-            self._last = self._batch if self._last is None else pd.concat([self._last, self._batch]).sort_values(
-                "step", kind="stable").groupby("key").tail(1)
+            self._last = self._batch if self._last is None else _per_key(_concat([self._last, self._batch]), last=True)
         self._batch = None
         if not len(key):
             return
-        frame = pd.DataFrame({"key": key, "step": step, "cut": cut, "lost": lost, "n_zero": n_zero,
-                              "undecided": undecided, "l2sq": np.square(l2), "numel": numel})
-        grouped = frame.groupby(["key", "step"], sort=False)
-        merged = grouped.agg(cut=("cut", "first"), lost=("lost", "sum"), n_zero=("n_zero", "sum"),
-                             undecided=("undecided", "sum"), l2sq=("l2sq", "sum"),
-                             numel=("numel", "sum")).reset_index()
-        sums = np.zeros((len(merged), self.bins + 1))
-        np.add.at(sums, grouped.ngroup().to_numpy(), cumsum)
-        merged["_c"] = np.arange(len(merged)) + len(self._cumsum)
+        merged, sums = _merged_samples(np.asarray(key, dtype=np.int64), np.asarray(step, dtype=np.int64),
+                                       {"cut": cut, "lost": lost, "n_zero": n_zero, "undecided": undecided,
+                                        "l2sq": np.square(l2), "numel": numel}, cumsum, self.bins)
+        merged["_c"] = np.arange(len(merged["key"])) + len(self._cumsum)
         self._cumsum = np.concatenate([self._cumsum, sums])
         self._batch = merged
-        first = merged.sort_values("step", kind="stable").groupby("key").head(1)
-        self._first = first if self._first is None else pd.concat([self._first, first]).sort_values(
-            "step", kind="stable").groupby("key").head(1)
+        first = _per_key(merged, last=False)
+        self._first = first if self._first is None else _per_key(_concat([self._first, first]), last=False)
         self._compact()
 
     def _compact(self) -> None:
         """Keep only the cumsums the latest samples (and this batch's) point at."""
         tables = [t for t in (self._last, self._batch, self._first) if t is not None]
-        if len(self._cumsum) > 4 * max(64, sum(len(t) for t in tables)):
-            keep = np.unique(np.concatenate([t["_c"].to_numpy() for t in tables]))
+        if len(self._cumsum) > 4 * max(64, sum(len(t["key"]) for t in tables)):
+            keep = np.unique(np.concatenate([t["_c"] for t in tables]))
             remap = np.full(len(self._cumsum), -1)
             remap[keep] = np.arange(len(keep))
             self._cumsum = self._cumsum[keep]
             self._last, self._batch, self._first = (
-                None if t is None else t.assign(_c=remap[t["_c"].to_numpy()]) for t in (self._last, self._batch, self._first))
+                None if t is None else {**t, "_c": remap[t["_c"]]} for t in (self._last, self._batch, self._first))
 
     def carry(self, key, step, l2, numel, cut) -> tuple[np.ndarray, ...]:
         """Light rows (one per key and step; ``cut``: log2 of each one's cut-off): (step, lost,
         lost at the other end of the drift's range, zeros, undecided) of the rows answered, held
         ones of earlier calls included. Each takes its key's latest sample at or before its step
         (the first after it, before any); a row whose key has no sample yet waits for one."""
-        frame = pd.DataFrame({"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
-                              "l2": l2, "numel": numel, "cutq": cut})
+        rows = {"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
+                "l2": np.asarray(l2, dtype=np.float64), "numel": np.asarray(numel, dtype=np.float64),
+                "cutq": np.asarray(cut, dtype=np.float64)}
         if self._pending:
-            frame = pd.concat([*self._pending, frame], ignore_index=True)
+            rows = _concat([*self._pending, rows])
             self._pending, self._pending_rows = [], 0
         empty = np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0)
         parts = [t for t in (self._last, self._batch) if t is not None]
-        if not parts or not len(frame):
-            self._hold(frame)
+        if not parts or not len(rows["key"]):
+            self._hold(rows)
             return empty
-        frame = frame.sort_values("step", kind="stable")
-        table = _as_of(pd.concat(parts).drop_duplicates(["key", "step"], keep="last"))
-        got = pd.merge_asof(frame, table, on="step", by="key", direction="backward")
-        missing = got["at"].isna().to_numpy()
+        rows = _take(rows, np.argsort(rows["step"], kind="stable"))
+        table = _dedup_last(_concat(parts))
+        found = _as_of(table, rows["key"], rows["step"], backward=True)
+        missing = found < 0
         if missing.any():
             # Before the key's first sample: that sample (the first after the row).
-            ahead = pd.merge_asof(frame[missing], _as_of(self._first), on="step", by="key", direction="forward")
-            got = pd.concat([got[~missing], ahead], ignore_index=True)
-            missing = got["at"].isna().to_numpy()
-            self._hold(got.loc[missing, frame.columns])
-            got = got[~missing]
-        return (got["step"].to_numpy(dtype=np.int64), *self._evaluate(got))
+            ahead_rows = _take(rows, np.flatnonzero(missing))
+            ahead = _as_of(self._first, ahead_rows["key"], ahead_rows["step"], backward=False)
+            held = ahead < 0
+            self._hold(_take(ahead_rows, np.flatnonzero(held)))
+            answered = np.flatnonzero(~missing)
+            rows = _concat([_take(rows, answered), _take(ahead_rows, np.flatnonzero(~held))])
+            got = {**{c: np.concatenate([table[c][found[answered]], self._first[c][ahead[~held]]])
+                      for c in table}}
+        else:
+            got = {c: v[found] for c, v in table.items()}
+        return (rows["step"], *self._evaluate(rows, got))
 
-    def _evaluate(self, got: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        numel_s = np.maximum(got["numel_s"].to_numpy(float), 1.0)
-        ratio = got["numel"].to_numpy(float) / numel_s
-        l2, l2s = got["l2"].to_numpy(float), np.sqrt(got["l2sq"].to_numpy(float))
+    def _evaluate(self, rows: dict, got: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        numel_s = np.maximum(got["numel"].astype(float), 1.0)
+        ratio = rows["numel"] / numel_s
+        l2, l2s = rows["l2"], np.sqrt(got["l2sq"].astype(float))
         with np.errstate(divide="ignore", invalid="ignore"):
             drift = np.log2(l2 / l2s)
         drift = np.where(np.isfinite(drift), drift, 0.0)  # a zero or non-finite norm: no drift to read
-        lost_s = got["lost"].to_numpy(float)
-        model = UnderflowModel(None, got["cut"].to_numpy(float), lost_s, self.min_exp,
-                               cumsum=self._cumsum[got["_c"].to_numpy(dtype=np.int64)])
-        zeros_s = got["n_zero"].to_numpy(float)
-        structure = np.maximum(zeros_s - lost_s - got["undecided"].to_numpy(float), 0.0)
+        lost_s = got["lost"].astype(float)
+        model = UnderflowModel(None, got["cut"].astype(float), lost_s, self.min_exp, cumsum=self._cumsum,
+                               cumsum_rows=got["_c"].astype(np.int64))
+        zeros_s = got["n_zero"].astype(float)
+        structure = np.maximum(zeros_s - lost_s - got["undecided"].astype(float), 0.0)
         # No more lost than the sample's elements that are not structure.
-        cut = got["cutq"].to_numpy(float)
+        cut = rows["cutq"]
         at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
         # The small values may move faster than the norm, either way: a gradient computed from
         # output gradients that underflowed upstream loses (or, growing, regains) elements its own
         # histogram does not show. The loss at DRIFT_RANGE times the drift is the range's other end.
         one, two = at(drift), at(DRIFT_RANGE * drift)
         lost, lost_hi = np.minimum(one, two), np.maximum(one, two)
-        undecided = got["undecided"].to_numpy(float)
+        undecided = got["undecided"].astype(float)
         return lost * ratio, lost_hi * ratio, (structure + undecided + lost) * ratio, undecided * ratio
 
-    def _hold(self, frame: pd.DataFrame) -> None:
-        if not len(frame):
+    def _hold(self, rows: dict) -> None:
+        n = len(rows["key"])
+        if not n:
             return
-        if self._pending_rows + len(frame) > MAX_PENDING_ROWS:
-            self.dropped += len(frame)  # (their steps count nothing for them: docs/numerics.md)
+        if self._pending_rows + n > MAX_PENDING_ROWS:
+            self.dropped += n  # (their steps count nothing for them: docs/numerics.md)
             return
-        self._pending.append(frame)
-        self._pending_rows += len(frame)
+        self._pending.append(rows)
+        self._pending_rows += n
 
     def finish(self) -> tuple[np.ndarray, ...]:
         """The held light rows, answered by whatever samples were read (after the last batch)."""
@@ -435,9 +438,90 @@ class Samples:
         return self.dropped + self._pending_rows
 
 
-def _as_of(samples: pd.DataFrame) -> pd.DataFrame:
-    """Samples as ``merge_asof`` takes them: sorted by step, their step kept as ``at`` and their
-    elements as ``numel_s`` (the light rows have their own)."""
-    table = samples.sort_values("step", kind="stable").rename(columns={"step": "at", "numel": "numel_s"})
-    table["step"] = table["at"]
-    return table
+def _concat(tables: list[dict]) -> dict:
+    return {c: np.concatenate([t[c] for t in tables]) for c in tables[0]}
+
+
+def _take(table: dict, index: np.ndarray) -> dict:
+    return {c: v[index] for c, v in table.items()}
+
+
+def _per_key(table: dict, last: bool) -> dict:
+    """Each key's row of the largest step (``last``; of equal steps the later row) or of the
+    smallest (the earlier row), in the order of the table sorted by step (stable)."""
+    order = np.argsort(table["step"], kind="stable")
+    keys_sorted = table["key"][order]
+    if last:
+        _, first_reversed = np.unique(keys_sorted[::-1], return_index=True)
+        chosen = len(keys_sorted) - 1 - first_reversed
+    else:
+        _, chosen = np.unique(keys_sorted, return_index=True)
+    return _take(table, order[np.sort(chosen)])
+
+
+def _dedup_last(table: dict) -> dict:
+    """The table less rows whose (key, step) a later row repeats (the later one stands)."""
+    pair = np.stack([table["key"], table["step"]], axis=1)[::-1]
+    _, first_reversed = np.unique(pair, axis=0, return_index=True)
+    if len(first_reversed) == len(table["key"]):
+        return table
+    return _take(table, np.sort(len(table["key"]) - 1 - first_reversed))
+
+
+def _as_of(table: dict, key: np.ndarray, step: np.ndarray, backward: bool) -> np.ndarray:
+    """Per (key, step): the row of ``table`` (one per (key, step)) of the same key with the largest
+    step at or before it (``backward``), or the smallest at or after it; -1 where none."""
+    out = np.full(len(key), -1, dtype=np.int64)
+    if not len(key) or not len(table["key"]):
+        return out
+    known = np.unique(table["key"])
+    dense_t = np.searchsorted(known, table["key"])
+    dense_q = np.searchsorted(known, key)
+    present = (dense_q < len(known)) & (known[np.minimum(dense_q, len(known) - 1)] == key)
+    order = np.lexsort((table["step"], dense_t))  # by key, then step
+    k_sorted, s_sorted = dense_t[order], table["step"][order]
+    starts = np.searchsorted(k_sorted, np.arange(len(known)), side="left")
+    ends = np.searchsorted(k_sorted, np.arange(len(known)), side="right")
+    q = np.flatnonzero(present)
+    kq = dense_q[q]
+    # Within each key's run of steps (sorted), a search offset by the run's start.
+    lo, hi = starts[kq], ends[kq]
+    span = s_sorted.max() - s_sorted.min() + 2 if len(s_sorted) else 1
+    base = s_sorted.min()
+    code = dense_t[order].astype(np.int64) * span + (s_sorted - base)
+    target = np.clip(step[q] - base, -1, span - 1)
+    codes_q = kq.astype(np.int64) * span + target
+    if backward:
+        pos = np.searchsorted(code, codes_q, side="right") - 1
+        ok = pos >= lo
+    else:
+        pos = np.searchsorted(code, codes_q, side="left")
+        ok = pos < hi
+    out[q[ok]] = order[pos[ok]]
+    return out
+
+
+def _merged_samples(key: np.ndarray, step: np.ndarray, values: dict, cumsum: np.ndarray,
+                    bins: int) -> tuple[dict, np.ndarray]:
+    """The rows of each (key, step) summed (``cut``: the first non-missing), in the order the pairs
+    first appear; and their cumsums summed. As pandas' ``groupby(sort=False)`` sums (its
+    compensated sums, NaN as nothing): a pair of one row is that row; others go through pandas."""
+    pair = np.stack([key, step], axis=1)
+    count = np.unique(pair, axis=0, return_counts=True)[1]
+    finite = all(np.isfinite(np.asarray(v, dtype=np.float64)[~np.isnan(np.asarray(v, dtype=np.float64))]).all()
+                 for v in values.values())
+    if (count == 1).all() and finite:  # (then the pairs appear in the rows' order)
+        merged = {"key": key, "step": step, "cut": np.asarray(values["cut"], dtype=np.float64)}
+        for c in ("lost", "n_zero", "undecided", "l2sq", "numel"):
+            v = np.asarray(values[c], dtype=np.float64)
+            merged[c] = np.where(np.isnan(v), 0.0, v) + 0.0  # (pandas' sum of one: 0 for NaN, +0 for -0)
+        return merged, np.zeros((len(key), bins + 1)) + cumsum
+    frame = pd.DataFrame({"key": key, "step": step, **{c: values[c] for c in values}})
+    grouped = frame.groupby(["key", "step"], sort=False)
+    agg = grouped.agg(cut=("cut", "first"), lost=("lost", "sum"), n_zero=("n_zero", "sum"),
+                      undecided=("undecided", "sum"), l2sq=("l2sq", "sum"), numel=("numel", "sum")).reset_index()
+    sums = np.zeros((len(agg), bins + 1))
+    np.add.at(sums, grouped.ngroup().to_numpy(), cumsum)
+    return {c: agg[c].to_numpy() for c in agg.columns}, sums
+
+

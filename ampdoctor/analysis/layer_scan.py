@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from ..float_formats import FloatFormat, float_format
 from ..run_file.hist_column import hist_matrix
-from ..read.run import Run, empty_table, kind_mask
+from ..read.run import Run, empty_table, kind_mask, one_batch
 from .calibration import Measurements, Samples, Tails, calibrated, calibrated_low, keys, lost_below, still_lost
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
 
@@ -91,7 +91,7 @@ class LayerScan:
 
 
 def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
-                batch_rows: int = 1 << 16) -> LayerScan:
+                batch_rows: int = 1 << 16, group_rows: int = 1 << 18) -> LayerScan:
     """Aggregate every full module and parameter row of ``run``, batch by batch with numpy
     reductions keyed by layer (memory: one batch plus O(layers x heatmap columns) plus the
     measured steps' structural shares). Two passes: a narrow one over the gradient rows for the
@@ -102,18 +102,22 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     width = max(1, math.ceil(span / HEATMAP_BUCKETS))
     columns = math.ceil(span / width)
     acc = _Accumulator(span, columns, bins=bins, min_exp=min_exp)
-    for batch in run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows):
+    for batch in run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows, present="n_underflow"):
         acc.add_measured(batch, amp)
     step_rows = []
     read = LAYER_COLUMNS + [c for c in STEP_COLUMNS if c not in LAYER_COLUMNS]
-    for batch in run.batches(read, batch_rows=batch_rows):
+    for group in run.batch_groups(read, batch_rows=batch_rows, group_rows=group_rows):
+        batch = one_batch(group)
         is_step = kind_mask(batch.column("kind"), ["step"])
         steps = batch.filter(is_step)
         if steps.num_rows:
             step_rows.append(steps.select(STEP_COLUMNS))
-        rows = batch.filter(kind_mask(batch.column("kind"), list(LAYER_KINDS)))
+        layer = kind_mask(batch.column("kind"), list(LAYER_KINDS))
+        rows = batch.filter(layer)
         if rows.num_rows:
-            acc.add(rows.select(LAYER_COLUMNS), amp, min_exp, bins, first_step, width)
+            # (each read batch's rows among them: the sums per layer add up batch by batch)
+            ends = np.cumsum(layer.to_numpy(zero_copy_only=False))[np.cumsum([b.num_rows for b in group]) - 1]
+            acc.add(rows.select(LAYER_COLUMNS), amp, min_exp, bins, first_step, width, ends=ends)
     scan = acc.result(first_step, width)
     scan.tails, scan.measurements, scan.measure_ids = acc.tails, acc.measurements, acc.measure_ids
     scan.unanswered_light_rows = acc.samples.unanswered
@@ -234,18 +238,22 @@ class _Accumulator:
         return _pair_ids(batch, self.measure_ids, (lambda key, row: len(self.measure_ids)) if register else None)
 
     def add(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
-            width: int) -> None:
+            width: int, ends: np.ndarray | None = None) -> None:
+        """Reduce ``batch``'s rows. ``ends``: where each batch as read ends among them (rows read
+        in a group): the float sums per layer add up read batch by read batch, so that they are
+        the same however the batches were grouped."""
         layer = self._layer_ids(batch)
         kinds, kind_idx = _dictionary(batch.column("kind"))
-        kind = np.asarray(kinds, dtype=object)[kind_idx]
+        # (which rows are of a kind, from the dictionary's codes: no string per row)
+        of_kind = {k: kind_idx == kinds.index(k) if k in kinds else np.zeros(len(kind_idx), dtype=bool)
+                   for k in LAYER_KINDS}
         dtypes, dtype_idx = _dictionary(batch.column("dtype"))
         formats = [_format_or_none(d) or amp for d in dtypes]
         col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
                ("step", "rank", "scale", "numel", "amax", "amin", "l2", "n_zero", "n_subnormal", "n_nan",
                 "n_inf", "n_zero_lines", "n_underflow")}
-        hist = hist_matrix(batch.column("hist"), bins)
-        param = kind == "param_grad"
-        output = kind == "output"
+        param = of_kind["param_grad"]
+        output = of_kind["output"]
         # Each row is judged in the format its values lived in (see the module docstring).
         fmax = np.where(param, amp.max, np.array([f.max for f in formats])[dtype_idx])
         below = np.where(param, amp.underflow_below, np.array([f.underflow_below for f in formats])[dtype_idx])
@@ -257,7 +265,22 @@ class _Accumulator:
         full = ~np.isnan(col["n_zero"].astype(np.float64))
         nonfinite = ((col["n_nan"] + col["n_inf"]) > 0) | (~full & ~np.isfinite(amax))
         usable = ~nonfinite & np.isfinite(amax)
-        subnormal = np.nan_to_num(col["n_subnormal"].astype(np.float64))
+        wider = of_kind["grad_output"] & (below < amp.underflow_below)
+        # What the histograms decide is computed for the full rows alone (one in ``every`` at the
+        # default cadence); a light row has none: no estimate, no bound, no low magnitude.
+        at_full = np.flatnonzero(full)
+        hist = hist_matrix(batch.column("hist").take(pa.array(at_full)), bins)
+        cumsum = np.zeros((len(at_full), bins + 1))
+        estimate, upper, low = np.zeros(len(full)), np.zeros(len(full)), np.full(len(full), np.nan)
+        low_est = np.zeros(len(full))
+        distance = np.full(len(full), np.nan)
+        n_underflow = col["n_underflow"].astype(np.float64)
+        measured = full & ~output & ~nonfinite & ~np.isnan(n_underflow)
+        zeros = np.nan_to_num(col["n_zero"].astype(np.float64))
+        # A light output gradient wider than the AMP format reads as on its grid (no magnitudes
+        # below it): judged in the AMP format, as a full row with no such magnitudes is.
+        below = np.where(wider & ~full, amp.underflow_below, below)
+        f = at_full
         with np.errstate(divide="ignore", invalid="ignore"):
             # A float32 output gradient whose nonzero values all sit on the AMP format's grid
             # (none below its smallest subnormal) was computed in the AMP format and cast up (the
@@ -265,23 +288,19 @@ class _Accumulator:
             # Otherwise such a gradient mixes paths (a residual's float32 one too): judged in its own
             # format, with every zero in the upper bound if it reaches the AMP subnormals in numbers.
             cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
-            wider = (kind == "grad_output") & (below < amp.underflow_below)
-            amp_subnormal = cumulative_below(cumsum, np.log2(amp.smallest_normal / scale), min_exp)
-            amp_grid = wider & (cumulative_below(cumsum, np.log2(amp.smallest_subnormal / scale), min_exp) == 0)
-            below = np.where(amp_grid, amp.underflow_below, below)
-            subnormal = np.where(amp_grid, amp_subnormal, subnormal)
+            amp_subnormal = cumulative_below(cumsum, np.log2(amp.smallest_normal / scale[f]), min_exp)
+            amp_grid = wider[f] & (cumulative_below(cumsum, np.log2(amp.smallest_subnormal / scale[f]), min_exp) == 0)
+            below[f] = np.where(amp_grid, amp.underflow_below, below[f])
+            subnormal = np.where(amp_grid, amp_subnormal, np.nan_to_num(col["n_subnormal"][f].astype(np.float64)))
             cut = np.log2(below / scale)
-            zeros = np.nan_to_num(col["n_zero"].astype(np.float64))
-            estimate, upper = underflow_bounds(hist, zeros, subnormal, cut, min_exp,
-                                               col["n_zero_lines"].astype(np.float64), pile_lines=param)
-            upper = np.where(wider & (amp_subnormal >= UPPER_SHARE * hist.sum(axis=1)) & (amp_subnormal > 0),
-                             np.maximum(upper, zeros), upper)
+            estimate[f], upper[f] = underflow_bounds(hist, zeros[f], subnormal, cut[f], min_exp,
+                                                     col["n_zero_lines"][f].astype(np.float64), pile_lines=param[f])
+            upper[f] = np.where(wider[f] & (amp_subnormal >= UPPER_SHARE * hist.sum(axis=1)) & (amp_subnormal > 0),
+                                np.maximum(upper[f], zeros[f]), upper[f])
             # Activations are not loss-scaled: no underflow estimate for output rows. A row whose
             # estimate is unknown (every element 0) counts only towards the upper bound.
             # A row that held a NaN or inf is not judged: its histogram lost the overflowed values.
             # Measured steps (underflow_probe.py): the count itself, estimate and bound alike.
-            n_underflow = col["n_underflow"].astype(np.float64)
-            measured = full & ~output & ~nonfinite & ~np.isnan(n_underflow)
             estimate, upper = with_measured(estimate, upper, n_underflow, measured)
             # Estimated rows of a measured tensor: its structure, measured, calibrates them.
             key = keys(layer, col["rank"])
@@ -321,15 +340,17 @@ class _Accumulator:
                             np.where(usable & (amax == 0), _ALL_ZERO, -np.inf))
             # A gradient that overflowed is drawn one binade above the format's max.
             high = np.where(nonfinite, np.log2(fmax) + 1.0, high)
-            low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
+            low[f] = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale[f])
             low = np.where(full & usable & (amax == 0), -_ALL_ZERO, low)
         finite_amax = np.where(usable, amax, -np.inf)
         n = len(self.ids)
+        bounds = np.concatenate([[0], np.unique(ends if ends is not None else [len(layer)])])
         for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
                                     full, nonfinite, upper, np.where(judged, col["numel"], 0),
                                     np.where(measured, col["numel"], 0), lost_low)):
             values = np.nan_to_num(np.asarray(values, dtype=np.float64))
-            self.sums[i, :n] += np.bincount(layer, weights=values, minlength=n)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                self.sums[i, :n] += np.bincount(layer[a:b], weights=values[a:b], minlength=n)
         np.maximum.at(self.amax, layer, finite_amax)
         amin = col["amin"].astype(np.float64)
         np.minimum.at(self.amin, layer, np.where(np.isnan(amin), np.inf, amin))
@@ -351,7 +372,7 @@ class _Accumulator:
         # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
         # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
         in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
-        g = (kind == "grad_output") & inside & in_amp
+        g = of_kind["grad_output"] & inside & in_amp
         np.maximum.at(self.module_peak, offset[g], finite_amax[g])
         column = np.clip(offset // width, 0, self.columns - 1)
         np.maximum.at(self.high, (layer[p], column[p]), np.where(np.isnan(high[p]), -np.inf, high[p]))
@@ -359,11 +380,12 @@ class _Accumulator:
 
     def _carry_to_light_steps(self, key, col, param, full, cumsum, lost, upper, first_step, below) -> None:
         """Parameter gradients of light steps (peak and norm only) take their latest sample's
-        figures, moved by the drift of their own norm (calibration.Samples)."""
+        figures, moved by the drift of their own norm (calibration.Samples). ``cumsum``: the
+        histograms' cumulative sums of the full rows alone, in row order."""
         # (a collapsed scale of 0 is computed with as float32's smallest positive, as steps.py does)
         cut = np.log2(below / np.maximum(np.nan_to_num(col["scale"].astype(np.float64), nan=1.0), 2.0**-149))
         sample = param & full
-        self.samples.add_samples(key[sample], col["step"][sample], cumsum[sample], cut[sample],
+        self.samples.add_samples(key[sample], col["step"][sample], cumsum[param[full]], cut[sample],
                                  lost[sample], np.nan_to_num(col["n_zero"][sample].astype(np.float64)),
                                  np.maximum(upper[sample] - lost[sample], 0.0),
                                  col["l2"][sample].astype(np.float64), col["numel"][sample].astype(np.float64))

@@ -201,7 +201,7 @@ def _batch_companions(outputs: pd.DataFrame, row: pd.Series) -> list[str] | None
 
 def _large_before(a: Analysis, module: str, fmt) -> bool:
     """Whether ``module``'s outputs came within LARGE_ACTIVATION of the format's max."""
-    peaks = a.scan.activation_peak
+    peaks = a.activation_peak
     if module not in peaks.index:
         return False
     value = peaks.loc[module, "amax"]

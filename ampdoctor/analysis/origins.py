@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from ..run_file.schema import MODULE_KINDS, ROOT_NAME
+from ..read.engine import NoLists, steps_rows
 from ..read.run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
@@ -95,8 +96,42 @@ def find_origins(frame: pd.DataFrame) -> list[StepOrigins]:
     if not keys:
         return []
     marked = frame.assign(_bad=bad)
-    groups = marked[marked.set_index(["step", "rank"]).index.isin(list(keys))].groupby(["step", "rank"])
-    return _across_ranks([_step_origins(int(step), int(rank), rows) for (step, rank), rows in sorted(groups)])
+    chosen = marked[marked.set_index(["step", "rank"]).index.isin(list(keys))]
+    # Steps without module rows (level "params", or a rank that recorded none) have no call
+    # structure to follow: their origins are read for all of them at once (_param_only_origins).
+    with_modules = chosen["kind"].isin(MODULE_KINDS)
+    module_keys = set(zip(chosen.loc[with_modules, "step"], chosen.loc[with_modules, "rank"]))
+    in_modules = chosen.set_index(["step", "rank"]).index.isin(list(module_keys))
+    found = {(int(step), int(rank)): _step_origins(int(step), int(rank), rows)
+             for (step, rank), rows in chosen[in_modules].groupby(["step", "rank"])}
+    found.update(_param_only_origins(chosen[~in_modules]))
+    return _across_ranks([found[key] for key in sorted(found)])
+
+
+def _param_only_origins(rows: pd.DataFrame) -> dict[tuple[int, int], StepOrigins]:
+    """:func:`_step_origins` of steps without module rows, all at once: the origin is the one
+    non-finite parameter gradient's module where exactly one was (with several, which came first
+    is unknown), unless the loss itself was non-finite."""
+    if rows.empty:
+        return {}
+    keys = rows[["step", "rank"]].drop_duplicates()
+    step_rows = rows[rows["kind"] == "step"].drop_duplicates(["step", "rank"], keep="first").set_index(["step", "rank"])
+    bad = rows[(rows["kind"] == "param_grad") & rows["_bad"]].groupby(["step", "rank"])["name"].agg(["count", "first"])
+    out = {}
+    for step, rank in zip(keys["step"], keys["rank"]):
+        step, rank = int(step), int(rank)
+        if (step, rank) in step_rows.index:
+            row = step_rows.loc[(step, rank)]
+            skipped, loss = bool(row["skipped"]), _float(row["loss"])
+        else:
+            skipped, loss = False, None
+        overflow = None
+        if not (loss is not None and not math.isfinite(loss)) and (step, rank) in bad.index:
+            count, name = bad.loc[(step, rank)]
+            if count == 1:
+                overflow = Origin(_owner_module(name, set()), "param_grad", rank, step, None, None, None, name)
+        out[(step, rank)] = StepOrigins(rank, step, skipped, loss, None, None, overflow)
+    return out
 
 
 def _across_ranks(origins: list[StepOrigins]) -> list[StepOrigins]:
@@ -297,8 +332,15 @@ ORIGIN_COLUMNS = ["step", "rank", "kind", "name", "order", "dtype", "skipped", "
 
 
 def rows_at(run: Run, steps) -> pd.DataFrame:
-    """Every row of ``steps`` with the columns the origins need (names as plain strings)."""
-    frame = to_frame(run.table(ORIGIN_COLUMNS, steps=[int(s) for s in steps]))
+    """Every row of ``steps`` with the columns the origins need (names as plain strings), in the
+    run's order. Found by the query engine (a few steps of a long run: the footers' statistics
+    skip most row groups); runs whose lists it cannot hold are read by pyarrow."""
+    steps = sorted({int(s) for s in steps})
+    try:
+        table = steps_rows(run, ORIGIN_COLUMNS, steps)
+    except NoLists:
+        table = run.table(ORIGIN_COLUMNS, steps=steps)
+    frame = to_frame(table)
     for c in ("kind", "name", "dtype"):
         frame[c] = frame[c].astype(str)
     return frame

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..read.engine import steps_rows
 from ..read.run import Run, to_frame
 from ..run_file.schema import MODULE_KINDS
 from .contract_fields import finite_or_none, float_or_nonfinite
@@ -23,6 +24,7 @@ from .nonfinite_event import Event, first_event
 from .origins import nonfinite_rows, rows_at
 from .postmortem_advice import advice
 from .replay import actual_outcome
+from .event_context import EventContext, event_context
 from .run_analysis import Analysis, analyse
 
 TIMELINE_STEPS = 10          # steps before the event in the timeline
@@ -37,15 +39,31 @@ NOTE_UNDERFLOW_RATE = 0.01
 
 
 def postmortem_data(run: Run) -> dict:
-    """``ampdoctor postmortem``'s data (the ``postmortem`` contract of docs/json-contracts.md)."""
+    """``ampdoctor postmortem``'s data (the ``postmortem`` contract of docs/json-contracts.md).
+
+    A run with an event is read narrowly: its step rows, parameter checks and largest activations
+    (:mod:`.event_context`), then the rows of the few steps the diagnosis names; a run without one
+    is analysed whole, since its evidence is the run's underflow (:func:`.run_analysis.analyse`)."""
+    context = event_context(run)
+    if context is not None:
+        steps, params = _per_rank_steps(context.step_rows), _param_frame(context.param_rows)
+        event = first_event(steps, params)
+        if event is not None:
+            return _postmortem(context, steps, params, event, context.steps)
     a = analyse(run)
-    steps = _per_rank_steps(a)
+    steps = _per_rank_steps(a.scan.step_rows)
     params = _param_rows(a.run)
+    return _postmortem(a, steps, params, first_event(steps, params), len(a.series))
+
+
+def _postmortem(a: Analysis | EventContext, steps: pd.DataFrame, params: pd.DataFrame, event: Event | None,
+                n_steps: int) -> dict:
+    """The contract from a run's reading (the whole analysis, or the narrow one where there is an
+    event: ``_health`` reads the analysis, which only a run without an event needs)."""
     notes: list[Finding | str] = list(a.warnings)  # segments skipped, values ignored: what it could not see
     if not a.run.ended_cleanly:
         notes.append(Finding("postmortem_of_unclosed_run"))
-    event = first_event(steps, params)
-    run_info = {"path": str(a.run.path), "steps": int(len(a.series)), "ranks": int(steps["rank"].nunique()),
+    run_info = {"path": str(a.run.path), "steps": int(n_steps), "ranks": int(steps["rank"].nunique()),
                 "level": a.level, "ended_cleanly": a.run.ended_cleanly}
     if event is None:
         evidence, health = _health(a)
@@ -65,8 +83,8 @@ def postmortem_data(run: Run) -> dict:
             "notes": notes, "run": run_info}
 
 
-def _per_rank_steps(a: Analysis) -> pd.DataFrame:
-    table = a.scan.step_rows.drop_columns(["hist"])
+def _per_rank_steps(step_rows) -> pd.DataFrame:
+    table = step_rows.drop_columns(["hist"])
     frame = to_frame(table)
     frame["loss_value"] = frame["loss"].astype("float64")  # NaN for null too
     frame["loss_recorded"] = frame["loss"].notna()
@@ -76,7 +94,11 @@ def _per_rank_steps(a: Analysis) -> pd.DataFrame:
 
 
 def _param_rows(run: Run) -> pd.DataFrame:
-    frame = to_frame(run.table(["step", "rank", "name", "amax", "numel"], kinds=["param"]))
+    return _param_frame(run.table(["step", "rank", "name", "amax", "numel"], kinds=["param"]))
+
+
+def _param_frame(table) -> pd.DataFrame:
+    frame = to_frame(table)
     frame["name"] = frame["name"].astype(str)
     frame["amax"] = frame["amax"].astype("float64")
     return frame
@@ -103,7 +125,7 @@ def _health(a: Analysis) -> tuple[dict, list[Finding]]:
         "underflow_decided": fields["underflow_rate"] is not None})]
 
 
-def _timeline(a: Analysis, steps: pd.DataFrame, event: Event) -> list[dict]:
+def _timeline(a: Analysis | EventContext, steps: pd.DataFrame, event: Event) -> list[dict]:
     rank = event.rank
     mine = steps[steps["rank"] == rank]
     window = mine[(mine["step"] <= event.step) & (mine["step"] > event.step - TIMELINE_STEPS - 1)]
@@ -121,8 +143,8 @@ def _timeline(a: Analysis, steps: pd.DataFrame, event: Event) -> list[dict]:
 def _activation_peaks(run: Run, steps: list[int], rank: int) -> dict[int, tuple[str, float | str]]:
     if not steps:
         return {}
-    frame = to_frame(run.table(["step", "rank", "kind", "name", "amax", "n_nan", "n_inf"], kinds=["output"],
-                               steps=steps))
+    frame = to_frame(steps_rows(run, ["step", "rank", "kind", "name", "amax", "n_nan", "n_inf"], steps,
+                                kinds=["output"]))
     frame = frame[frame["rank"] == rank]
     out = {}
     for step, rows in frame.groupby("step"):

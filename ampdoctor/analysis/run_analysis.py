@@ -51,6 +51,11 @@ class Analysis:
         return (self.run.metadata.get(META_DEVICE) or "cuda").split(":")[0]
 
     @property
+    def activation_peak(self) -> pd.DataFrame:
+        """Per module: its largest finite activation (LayerScan.activation_peak)."""
+        return self.scan.activation_peak
+
+    @property
     def recorded_full(self) -> bool:
         """Whether the run was recorded at level='full' (runs written before the level was kept in
         the metadata say nothing: False)."""
@@ -64,7 +69,7 @@ def analyse(run: Run) -> Analysis:
     amp, min_exp, bins = recorded_binning(meta)
     scan = scan_layers(run, amp, min_exp=min_exp, bins=bins)
     own_warnings: list[Finding] = []
-    scan.step_rows = _with_valid_scale(scan.step_rows, own_warnings)
+    scan.step_rows = with_valid_scale(scan.step_rows, own_warnings)
     if scan.unanswered_light_rows:
         own_warnings.append(Finding("light_rows_without_sample", {"rows": scan.unanswered_light_rows}))
     series = load_steps(scan.step_rows, amp, min_exp, bins)
@@ -98,7 +103,7 @@ def recorded_binning(meta: dict[str, str]) -> tuple[FloatFormat, int, int]:
     return amp, integer(META_HIST_MIN_EXP, HIST_MIN_EXP), integer(META_HIST_BINS, HIST_BINS)
 
 
-def _with_valid_scale(step_rows: pa.Table, warnings: list) -> pa.Table:
+def with_valid_scale(step_rows: pa.Table, warnings: list) -> pa.Table:
     """The step rows whose scale is a number (0 included: a collapsed scale); the others (a
     damaged or foreign file) are left out, with a warning."""
     if not step_rows.num_rows:

@@ -109,7 +109,12 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
     frame = table.drop_columns([c for c in ("hist", "loss", "underflow_hist") if c in table.column_names]).to_pandas()
     loss = table.column("loss").to_numpy(zero_copy_only=False).astype(np.float64)  # null → NaN
     recorded = table.column("loss").is_valid().to_numpy(zero_copy_only=False)
-    hist = hist_matrix(table.column("hist"), bins, np.float64)  # summed over ranks: exact
+    # The histograms of the full rows alone (light rows have none: they would add zeros), summed
+    # over ranks below: exact.
+    has_hist = table.column("hist").is_valid().to_numpy(zero_copy_only=False)
+    hist = hist_matrix(table.column("hist").filter(pa.array(has_hist)), bins, np.float64)
+    hist_row = np.full(len(has_hist), -1)
+    hist_row[has_hist] = np.arange(len(hist))
     frame["loss"] = loss
     frame["loss_recorded"] = recorded
     frame["forced"] = recorded & ~np.isfinite(loss)
@@ -128,7 +133,8 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
                       n_zero_lines=("n_zero_lines", lambda c: c.sum(min_count=1)))
     codes = grouped.ngroup().to_numpy()
     merged_hist = np.zeros((len(agg), bins))
-    np.add.at(merged_hist, codes, hist[frame["_row"].to_numpy()])
+    of_row = hist_row[frame["_row"].to_numpy()]
+    np.add.at(merged_hist, codes[of_row >= 0], hist[of_row[of_row >= 0]])
     # What underflowed on measured steps (every rank's step row measured), by magnitude: the tail
     # below the cut-off that predictions at higher scales read (UnderflowModel(tail=)).
     tail = tail_cut = None

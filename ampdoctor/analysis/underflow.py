@@ -148,10 +148,12 @@ def piled_at_cutoff(hist: np.ndarray, cut_log2: np.ndarray, min_exp: int) -> np.
     return out
 
 
-def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: int) -> np.ndarray:
+def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: int,
+                     rows: np.ndarray | None = None) -> np.ndarray:
     """Recorded nonzero magnitudes below 2^x, from ``cumsum`` (the histogram's cumulative sum
     with a leading 0, shape [n, bins + 1]); flat density within a binade. ``x_log2`` broadcasts
-    against the rows: shape [n] or [n, g]."""
+    against the rows: shape [n] or [n, g]. ``rows``: per observation, its row of ``cumsum`` (many
+    observations sharing few histograms, read in place instead of copied per observation)."""
     bins = cumsum.shape[1] - 1
     x = np.asarray(x_log2, dtype=np.float64)
     # An unknown cut-off (NaN: a scale of 0) counts nothing below it; infinities clamp to the ends.
@@ -159,7 +161,10 @@ def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: in
     j = np.clip(np.floor(rel), 0, bins - 1).astype(np.int64)
     frac = np.clip(np.exp2(rel - j) - 1.0, 0.0, 1.0)
     frac = np.where(rel <= 0, 0.0, frac)
-    if x.ndim == 1:
+    if rows is not None:
+        at = rows if x.ndim == 1 else rows[:, None]
+        lo, hi = cumsum[at, j], cumsum[at, j + 1]
+    elif x.ndim == 1:
         lo = np.take_along_axis(cumsum, j[:, None], axis=1)[:, 0]
         hi = np.take_along_axis(cumsum, j[:, None] + 1, axis=1)[:, 0]
     else:
@@ -186,7 +191,7 @@ class UnderflowModel:
     def __init__(self, hist: np.ndarray, cut_log2: np.ndarray, at_cut: np.ndarray, min_exp: int,
                  drift_log2: np.ndarray | None = None, tail: np.ndarray | None = None,
                  tail_cut_log2: np.ndarray | None = None, cumsum: np.ndarray | None = None,
-                 tail_noise: np.ndarray | None = None) -> None:
+                 tail_noise: np.ndarray | None = None, cumsum_rows: np.ndarray | None = None) -> None:
         """``at_cut``: the elements lost at the recorded cut-off (the estimate of :func:`underflow_bounds`).
         ``drift_log2``: per observation, how many binades its magnitudes moved since the histogram
         was recorded (a step between samples whose gradient norm fell by 2^4: -4); a cut-off x then
@@ -197,7 +202,8 @@ class UnderflowModel:
         lost k binades lower when its magnitude lay k binades lower; one whose magnitude lay above
         it underflowed upstream, and those come back as a flat density would (2^-k; zeros where
         nothing was measured: all of them so, ρ·x). ``cumsum``: the histograms' cumulative
-        sums with a leading 0 (``hist`` None), where the caller has them."""
+        sums with a leading 0 (``hist`` None), where the caller has them; ``cumsum_rows``: each
+        observation's row of ``cumsum`` where observations share them (no tail then)."""
         self.drift_log2 = None if drift_log2 is None else np.asarray(drift_log2, dtype=np.float64)
         self.min_exp = min_exp
         self.cut_log2 = np.asarray(cut_log2, dtype=np.float64)
@@ -205,8 +211,8 @@ class UnderflowModel:
         if cumsum is None:
             hist = np.asarray(hist, dtype=np.float64)
             cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
-        self.cumsum = cumsum
-        self.below_cut = cumulative_below(self.cumsum, self.cut_log2 + 1.0, min_exp)
+        self.cumsum, self.rows = cumsum, cumsum_rows
+        self.below_cut = cumulative_below(self.cumsum, self.cut_log2 + 1.0, min_exp, cumsum_rows)
         self.tail = None
         if tail is not None:
             tail = np.asarray(tail, dtype=np.float64)
@@ -232,7 +238,7 @@ class UnderflowModel:
         # Further up u is negligible against the values.
         with np.errstate(over="ignore"):
             shifted = np.log2(np.exp2(x) + np.exp2(cut))
-        over = at_cut + np.maximum(cumulative_below(self.cumsum, shifted, self.min_exp) - below_cut, 0.0)
+        over = at_cut + np.maximum(cumulative_below(self.cumsum, shifted, self.min_exp, self.rows) - below_cut, 0.0)
         return np.where(x <= cut, under, over)
 
     def _below_share(self, offset: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import RunError, one_line
+from .ahead import read_ahead
 from ..run_file.hist_column import BadHistogram, as_hist_column, pyarrow_too_old_for
 from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, META_FINAL, META_RANK, META_RUN_ID,
                                META_RUN_STARTED, META_SCALER_CLASS, META_SCHEMA_VERSION, META_SEGMENT,
@@ -113,7 +114,9 @@ class Run:
               steps: Sequence[int] | None = None) -> pa.Table:
         """The rows (of the given ``kinds`` and ``steps``, when given) as one Arrow table with
         only ``columns``. A segment that fails to read is skipped with a warning."""
-        tables = [t for t in (self._read(s, columns, kinds, steps) for s in self.segments) if t is not None]
+        wanted = None if steps is None else np.unique(np.asarray(list(steps), dtype=np.int64))
+        tables = [t for t in (self._read(s, columns, kinds, steps) for s in self.segments
+                              if wanted is None or _may_hold(s, wanted)) if t is not None]
         self._check_readable()
         if not tables:
             return empty_table(columns)
@@ -123,16 +126,48 @@ class Run:
             raise RunError(f"{self.path}: segments do not share one schema ({exc})") from None
 
     def batches(self, columns: Sequence[str], kinds: Sequence[str] | None = None,
-                batch_rows: int = 1 << 18) -> Iterator[pa.RecordBatch]:
+                batch_rows: int = 1 << 18, present: str | None = None) -> Iterator[pa.RecordBatch]:
         """Stream the rows segment by segment in record batches of at most ``batch_rows`` rows;
-        memory is bounded by one batch whatever the run's length."""
+        memory is bounded by a few batches whatever the run's length. ``present``: only rows where
+        that column holds a value (segments whose footers say none hold one are not read). The
+        next batches are read on a thread while the caller works on this one (:mod:`.ahead`)."""
+        return read_ahead(self._segment_batches(columns, kinds, batch_rows, present))
+
+    def batch_groups(self, columns: Sequence[str], kinds: Sequence[str] | None = None, batch_rows: int = 1 << 16,
+                     group_rows: int = 1 << 18, present: str | None = None) -> Iterator[list[pa.RecordBatch]]:
+        """The batches of :meth:`batches`, in consecutive groups of at least ``group_rows`` rows
+        (the last one less): a run of many small segments in few groups, for a caller whose cost
+        is per call while its results must not depend on how the rows were grouped (it sees each
+        batch's bounds). :func:`one_batch` joins a group."""
+        return read_ahead(self._grouped(columns, kinds, batch_rows, group_rows, present))
+
+    def _grouped(self, columns, kinds, batch_rows, group_rows, present) -> Iterator[list[pa.RecordBatch]]:
+        held: list[pa.RecordBatch] = []
+        rows = 0
+        for batch in self._segment_batches(columns, kinds, batch_rows, present):
+            held.append(batch)
+            rows += batch.num_rows
+            if rows >= group_rows:
+                yield held
+                held, rows = [], 0
+        if held:
+            yield held
+
+    def _segment_batches(self, columns: Sequence[str], kinds: Sequence[str] | None,
+                         batch_rows: int, where_present: str | None) -> Iterator[pa.RecordBatch]:
         for segment in self.segments:
+            if where_present is not None and segment.present.get(where_present) == 0:
+                continue
             try:
                 source = pq.ParquetFile(segment.path)
                 present = [c for c in columns if c in source.schema_arrow.names]
                 if segment.until is not None and "step" not in present:
                     present.append("step")
+                if where_present is not None and where_present not in source.schema_arrow.names:
+                    continue
                 for batch in source.iter_batches(batch_size=batch_rows, columns=present):
+                    if where_present is not None:
+                        batch = batch.filter(batch.column(where_present).is_valid())
                     if kinds is not None:
                         batch = batch.filter(kind_mask(batch.column("kind"), kinds))
                     if segment.until is not None:
@@ -168,6 +203,20 @@ class Run:
         except (pa.ArrowException, OSError, BadHistogram) as exc:
             self._unreadable(segment, exc)
             return None
+
+    @property
+    def unreadable_segments(self) -> frozenset:
+        """The paths of the segments whose data failed to read (skipped with a warning)."""
+        return frozenset(self._bad_segments)
+
+    def read_failure(self, segment: Segment, columns: Sequence[str]) -> bool:
+        """Read ``columns`` of ``segment``; when that fails, the segment is skipped from then on
+        with a warning (as a failed read in :meth:`table` is). Whether it failed. Raises
+        :class:`RunError` when no readable segment is left."""
+        failed = self._read(segment, columns, None, None) is None
+        if failed:
+            self._check_readable()
+        return failed
 
     def _unreadable(self, segment: Segment, exc: BaseException) -> None:
         """A segment whose data pages failed to read (its footer was fine): skipped, with a
@@ -369,6 +418,24 @@ def _segment_order(segment: Segment) -> tuple[str, int, str]:
     return meta.get(META_RUN_STARTED, ""), number, segment.path.name
 
 
+def _may_hold(segment: Segment, steps: np.ndarray) -> bool:
+    """Whether the segment's step span (its footer's statistics) holds one of the sorted
+    ``steps``; True where the span is unknown."""
+    if segment.steps is None:
+        return True
+    lo, hi = segment.steps
+    i = np.searchsorted(steps, lo)
+    return bool(i < len(steps) and steps[i] <= hi)
+
+
+def one_batch(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """Consecutive batches of one schema as one (their dictionaries unified)."""
+    if len(batches) == 1:
+        return batches[0]
+    table = pa.Table.from_batches(batches).unify_dictionaries().combine_chunks()
+    return table.to_batches(max_chunksize=table.num_rows)[0]
+
+
 def kind_mask(column: pa.Array, kinds: Sequence[str]) -> pa.Array:
     """Which rows of a (dictionary-encoded) ``kind`` column are one of ``kinds``: compares the
     few dictionary entries, not every row's string."""
@@ -427,11 +494,26 @@ def empty_table(columns: Sequence[str] | None = None) -> pa.Table:
 
 
 def describe(run: Run) -> dict:
-    """The facts ``ampdoctor info`` shows, as plain data."""
-    df = run.frame
-    steps = df[df["kind"] == "step"]
+    """The facts ``ampdoctor info`` shows, as plain data: counted by the query engine
+    (:mod:`.engine`), so that no row is loaded."""
+    from .engine import query
+
     meta = run.metadata
-    kinds = {str(k): int(v) for k, v in df["kind"].value_counts().items() if v}
+    # Each kind's rows, most first; of equal counts the kind met first in the run's order.
+    kinds = query(run, "SELECT kind, count(*) AS n, min(segment) AS s, arg_min(segment_row, segment::BIGINT "
+                       "* 4294967296 + segment_row) AS r FROM rows GROUP BY kind").to_pylist()
+    kinds.sort(key=lambda k: (-k["n"], k["s"], k["r"]))
+    facts = query(run, """
+        WITH step_rows AS (SELECT step, rank, skipped, segment, segment_row FROM rows WHERE kind = 'step'),
+             firsts AS (SELECT arg_min(skipped, segment::BIGINT * 4294967296 + segment_row) AS skipped
+                        FROM step_rows GROUP BY step, rank)
+        SELECT (SELECT count(DISTINCT step) FROM step_rows) AS steps,
+               (SELECT min(step) FROM step_rows) AS first_step,
+               (SELECT max(step) FROM step_rows) AS last_step,
+               (SELECT count(*) FILTER (WHERE skipped) FROM firsts) AS skipped_steps,
+               (SELECT list(DISTINCT rank) FROM rows) AS ranks,
+               (SELECT count(DISTINCT name) FROM rows WHERE kind <> 'step' AND name <> '') AS tensors,
+               (SELECT count(*) FROM rows) AS rows""").to_pylist()[0]
     return {
         "path": str(run.path),
         "schema_version": int(meta.get(META_SCHEMA_VERSION, SCHEMA_VERSION)),
@@ -443,19 +525,18 @@ def describe(run: Run) -> dict:
         "amp_dtype": meta.get(META_AMP_DTYPE),
         "scaler": {"class": meta.get(META_SCALER_CLASS),
                    **{key: meta_number(meta.get(name)) for key, name in SCALER_META.items()}},
-        "steps": int(steps["step"].nunique()),
-        "first_step": int(steps["step"].min()) if len(steps) else None,
-        "last_step": int(steps["step"].max()) if len(steps) else None,
-        "skipped_steps": int(steps.drop_duplicates(["step", "rank"])["skipped"].sum()),
-        "ranks": sorted(int(r) for r in df["rank"].unique()),
+        "steps": int(facts["steps"]),
+        "first_step": None if facts["first_step"] is None else int(facts["first_step"]),
+        "last_step": None if facts["last_step"] is None else int(facts["last_step"]),
+        "skipped_steps": int(facts["skipped_steps"]),
+        "ranks": sorted(int(r) for r in facts["ranks"] or [] if r is not None),
         "world_size": meta_number(meta.get(META_WORLD_SIZE)),
-        "tensors": int(df.loc[(df["kind"] != "step") & (df["name"] != ""), "name"].nunique()),
-        "kinds": kinds,
-        "rows": int(len(df)),
+        "tensors": int(facts["tensors"]),
+        "kinds": {str(k["kind"]): int(k["n"]) for k in kinds if k["n"]},
+        "rows": int(facts["rows"]),
         "segments": len(run.segments),
         "size_bytes": run.size_bytes,
         "ended_cleanly": run.ended_cleanly,
         "unwritten_at_exit": run.unwritten_at_exit,
         "warnings": list(run.warnings),
     }
-

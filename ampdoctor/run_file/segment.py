@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +31,9 @@ from .schema import (LEVELS, META_AMP_DTYPE, META_BACKOFF_FACTOR, META_DROPPED_S
 MAGIC = b"PAR1"  # the first and last four bytes of every Parquet file
 COLUMN_TYPES = {f.name: f.type for f in run_schema()}
 REQUIRED_COLUMNS = ("step", "rank", "kind", "name", "scale", "skipped")  # every segment has these
+# Columns whose values only some rows hold: measured underflow (one sampled step in ten), the counts
+# of full rows (one step in a hundred at the default cadence).
+PRESENCE_COLUMNS = ("n_underflow", "n_zero")
 
 
 @dataclass
@@ -43,6 +46,11 @@ class Segment:
     until: int | None = None  # rows from this step on were superseded by a later process (read_run)
     unreadable: str | None = None  # why the installed pyarrow cannot read its histograms (read_run skips it)
     mtime: float = 0.0  # the file's modification time when its footer was read: no later stat can fail
+    # Per column of PRESENCE_COLUMNS: its rows that hold a value, by the footer's statistics (absent:
+    # unknown). A reader skips a segment with none of the values it wants without reading it.
+    present: dict[str, int] = field(default_factory=dict)
+    hist_type: pa.DataType | None = None  # the ``hist`` column's type (None: the segment has none)
+    columns: tuple[str, ...] = ()  # the columns it has, by its footer
 
     @property
     def hist_bins(self) -> int:
@@ -67,7 +75,8 @@ def read_segment(path: Path, *, single: bool) -> tuple[Segment, list[str]]:
     footer = _read_footer(path, single=single)
     meta, ignored = _checked_metadata(footer.metadata, footer.bins)
     return Segment(path, footer.rows, footer.size, meta, footer.steps,
-                   unreadable=unreadable_here(footer.hist_type, footer.hist_nulls), mtime=footer.mtime), ignored
+                   unreadable=unreadable_here(footer.hist_type, footer.hist_nulls), mtime=footer.mtime,
+                   present=footer.present, hist_type=footer.hist_type, columns=footer.columns), ignored
 
 
 def read_failure(exc: BaseException) -> str:
@@ -91,6 +100,8 @@ class _Footer:
     hist_nulls: int | None          # null histograms by the statistics (None: unknown)
     size: int
     mtime: float
+    present: dict[str, int]
+    columns: tuple[str, ...]
 
 
 def _read_footer(path: Path, *, single: bool) -> _Footer:
@@ -144,7 +155,8 @@ def _read_footer(path: Path, *, single: bool) -> _Footer:
     # Version 1's fixed-size lists carry their size in the type; version 2's, its statistics.
     bins = hist.list_size if hist is not None and pa.types.is_fixed_size_list(hist) else _list_size(leaf)
     nulls = None if leaf is None or any(s is None for _, s in leaf) else sum(s.null_count for _, s in leaf)
-    return _Footer(footer.num_rows, text, _step_span(footer, schema), bins, hist, nulls, stat.st_size, stat.st_mtime)
+    return _Footer(footer.num_rows, text, _step_span(footer, schema), bins, hist, nulls, stat.st_size, stat.st_mtime,
+                   _present(footer), tuple(schema.names))
 
 
 def _schema_problem(schema: pa.Schema) -> str | None:
@@ -259,6 +271,28 @@ def _list_size(leaf: list | None) -> int | None:
                 return None
             sizes.add(stats.num_values // full)
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def _present(footer: pq.FileMetaData) -> dict[str, int]:
+    """Per column of :data:`PRESENCE_COLUMNS` the segment has: its non-null rows, from every row
+    group's null count (a column whose statistics lack one is left out: unknown)."""
+    out: dict[str, int] = {}
+    if not footer.num_row_groups:
+        return out
+    leaves = {footer.row_group(0).column(i).path_in_schema: i for i in range(footer.num_columns)}
+    for name in PRESENCE_COLUMNS:
+        if name not in leaves:
+            continue
+        total = 0
+        for g in range(footer.num_row_groups):
+            group = footer.row_group(g)
+            stats = group.column(leaves[name]).statistics
+            if stats is None or not getattr(stats, "has_null_count", True):
+                break
+            total += group.num_rows - stats.null_count
+        else:
+            out[name] = total
+    return out
 
 
 def _step_span(footer: pq.FileMetaData, schema: pa.Schema) -> tuple[int, int] | None:

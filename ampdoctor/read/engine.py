@@ -1,0 +1,180 @@
+"""A read run's rows as one SQL table, in an embedded query engine (DuckDB).
+
+What the commands ask of a whole run but want only a little of (a count per kind, the steps of
+one rank, the rows of a few steps, a maximum per module) is a query here: the engine reads only
+the columns a query names, skips row groups by the footers' statistics, uses every core and
+stays within :data:`MEMORY_LIMIT`, whatever the run's size; only the answer becomes Arrow. The
+streaming numpy pass of the layer scan (:mod:`ampdoctor.analysis.layer_scan`) stays where the
+arithmetic must be exactly the analyses' own.
+
+The table ``rows`` holds every row of the run's segments (``Run.segments``: one run id, readable
+here) less those a later process superseded (``Segment.until``), with two more columns:
+``segment`` (the segment's index in ``Run.segments``) and ``segment_row`` (the row's index in its
+file), so that ``ORDER BY segment, segment_row`` is the order ``Run.table`` reads. Columns a
+segment lacks (an older schema version) are NULL. The scalar columns of the run schema are in it
+(:data:`COLUMNS`), and with ``lists=True`` the histograms and the call graph's lists (:data:`LISTS`)
+where every segment has schema version 2's types (version 1's fixed-size histograms stay with
+pyarrow's reader: :class:`NoLists`).
+
+Any failure of the engine on the files (a segment damaged past its footer, one removed since it
+was listed) is a :class:`~ampdoctor.errors.RunError` naming the file when the engine does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import pyarrow as pa
+
+from ..errors import RunError, one_line
+from ..run_file.segment import COLUMN_TYPES
+
+# The run schema's scalar columns (docs/run-file.md): what ``rows`` holds.
+COLUMNS = ("step", "rank", "kind", "name", "order", "dtype", "numel", "scale", "skipped", "loss", "amax", "amin",
+           "l2", "n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines", "n_underflow", "call", "parent")
+LISTS = ("hist", "underflow_hist", "inputs", "computed_inputs")  # with ``lists=True``
+MEMORY_LIMIT = "512MB"  # the engine's own buffers (Arrow results come on top): docs/benchmarks.md
+_SQL_TYPES = {"step": "BIGINT", "rank": "INTEGER", "kind": "VARCHAR", "name": "VARCHAR", "order": "INTEGER",
+              "dtype": "VARCHAR", "numel": "BIGINT", "scale": "FLOAT", "skipped": "BOOLEAN", "loss": "FLOAT",
+              "amax": "FLOAT", "amin": "FLOAT", "l2": "FLOAT", "n_zero": "BIGINT", "n_subnormal": "BIGINT",
+              "n_nan": "BIGINT", "n_inf": "BIGINT", "n_zero_lines": "BIGINT", "n_underflow": "BIGINT",
+              "call": "INTEGER", "parent": "INTEGER", "hist": "BIGINT[]", "underflow_hist": "BIGINT[]",
+              "inputs": "INTEGER[]", "computed_inputs": "INTEGER[]"}
+
+
+class NoLists(Exception):
+    """The run's histograms are not all of schema version 2's type (``list<int64>``): a query that
+    wants the list columns reads with pyarrow instead (:func:`lists_here`)."""
+
+
+def lists_here(run) -> bool:
+    """Whether ``rows`` can hold the list columns (:data:`LISTS`): every segment's ``hist`` is
+    version 2's list (version 1's fixed-size lists stay with pyarrow's reader)."""
+    return all(s.hist_type is not None and pa.types.is_list(s.hist_type) and s.hist_type.value_type == pa.int64()
+               for s in run.segments if s.rows)
+
+
+class Session:
+    """One connection to the engine over a run's segments, for several queries (``with``, or
+    :meth:`close`). ``lists``: ``rows`` has the list columns too (:data:`LISTS`; :class:`NoLists`
+    where not :func:`lists_here`)."""
+
+    def __init__(self, run, lists: bool = False) -> None:
+        import duckdb
+
+        if lists and not lists_here(run):
+            raise NoLists()
+        self.run, self.lists = run, lists
+        self._connection = duckdb.connect(":memory:", config={"threads": max(1, os.cpu_count() or 1),
+                                                               "memory_limit": MEMORY_LIMIT})
+        self._connection.execute("SET enable_progress_bar = false")  # (it would print on a terminal)
+        self._registered = False
+
+    def query(self, sql: str, params: Sequence | None = None, tables: dict[str, pa.Table] | None = None) -> pa.Table:
+        """The answer of ``sql`` (over the table ``rows``, see the module docstring) as Arrow.
+        ``tables``: more tables the query names (small ones: keys to join)."""
+        import duckdb
+
+        for name, table in (tables or {}).items():
+            self._connection.register(name, table)
+        try:
+            return self._answer(sql, params)
+        except duckdb.Error as exc:
+            # A segment whose data the engine could not read: found and skipped with a warning, as
+            # Run.table skips it (Run raises RunError when none is left), and the query run again.
+            if not _skip_unreadable(self.run):
+                raise RunError(one_line(f"{self.run.path}: the query engine failed on this run ({exc})")) from None
+        self._registered = False
+        return self._answer(sql, params)
+
+    def _answer(self, sql: str, params: Sequence | None) -> pa.Table:
+        if not self._registered:
+            _register(self._connection, self.run, self.lists)
+            self._registered = True
+        connection = self._connection
+        return arrow_of(connection.sql(sql, params=list(params)) if params else connection.sql(sql))
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def query(run, sql: str, params: Sequence | None = None, lists: bool = False) -> pa.Table:
+    """The answer of one query (see :class:`Session`), on a connection of its own. ``run``: a
+    read :class:`~ampdoctor.read.run.Run`."""
+    with Session(run, lists) as session:
+        return session.query(sql, params)
+
+
+def _skip_unreadable(run) -> bool:
+    """Read each segment's scalar columns with pyarrow; those that fail are marked unreadable in
+    ``run`` (with its warning). Whether any was."""
+    found = False
+    for segment in run.segments:
+        if segment.path in run.unreadable_segments or not segment.rows:
+            continue
+        if run.read_failure(segment, [c for c in COLUMNS if c != "order"]):
+            found = True
+    return found
+
+
+def _register(connection, run, lists: bool) -> None:
+    """The view ``rows`` over the run's segments (see the module docstring)."""
+    segments = [s for s in run.segments if s.rows and s.path not in run.unreadable_segments]
+    names = COLUMNS + (LISTS if lists else ())
+    if not segments:
+        columns = ", ".join(f"NULL::{_SQL_TYPES[c]} AS {_quoted(c)}" for c in names)
+        connection.execute(f"CREATE OR REPLACE VIEW rows AS SELECT {columns}, NULL::INTEGER AS segment, "
+                           f"NULL::BIGINT AS segment_row WHERE false")
+        return
+    index = {id(s): i for i, s in enumerate(run.segments)}
+    files = pa.table({"filename": [str(s.path) for s in segments],
+                      "segment": pa.array([index[id(s)] for s in segments], pa.int32()),
+                      "until": pa.array([s.until for s in segments], pa.int64())})
+    connection.register("segment_files", files)  # (replaces an earlier registration)
+    present = _columns_present(segments, names)
+    columns = ", ".join(f"CAST({_quoted(c)} AS {_SQL_TYPES[c]}) AS {_quoted(c)}" if c in present
+                        else f"NULL::{_SQL_TYPES[c]} AS {_quoted(c)}" for c in names)
+    listing = "[" + ", ".join(_literal(str(s.path)) for s in segments) + "]"
+    connection.execute(
+        f"CREATE OR REPLACE VIEW rows AS SELECT {columns}, f.segment AS segment, p.file_row_number AS segment_row "
+        f"FROM read_parquet({listing}, union_by_name = true, filename = true, file_row_number = true) p "
+        f"JOIN segment_files f ON p.filename = f.filename WHERE f.until IS NULL OR p.step < f.until")
+
+
+def _columns_present(segments, names) -> set[str]:
+    """The columns of ``names`` some segment has, by their footers (a column no segment has
+    cannot be named in a query of them: NULL instead)."""
+    return {c for s in segments for c in s.columns} & set(names)
+
+
+def arrow_of(relation) -> pa.Table:
+    """A query's answer as an Arrow table (DuckDB 2 renamed the call)."""
+    fetch = getattr(relation, "to_arrow_table", None) or relation.fetch_arrow_table
+    return fetch()
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def steps_rows(run, columns: Sequence[str], steps: Sequence[int], kinds: Sequence[str] | None = None) -> pa.Table:
+    """Every row of ``steps`` (of ``kinds``, when given) with ``columns``, in the run's order and
+    the run schema's types (as ``Run.table(columns, kinds, steps)`` reads them). :class:`NoLists`
+    where a list column is asked of a run whose lists the engine cannot hold."""
+    wanted = ", ".join(str(int(s)) for s in steps) or "NULL"
+    names = ", ".join(_quoted(c) for c in columns)
+    of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
+    table = query(run, f"SELECT {names} FROM rows WHERE step IN ({wanted}){of_kinds} ORDER BY segment, segment_row",
+                  lists=any(c in LISTS for c in columns))
+    return pa.Table.from_arrays([table.column(c).cast(COLUMN_TYPES[c]) for c in columns], names=list(columns))
