@@ -301,3 +301,22 @@ def fit(model: nn.Module, scaler, data, *, before_step=None, dtype=torch.float16
         scaler.update()
         opt.zero_grad(set_to_none=True)
     return model
+
+
+def train_ranks(path, run_id: str, ranks=(0, 1), **options) -> None:
+    """Ranks of one run (``run_id``) recorded to ``path`` one after another, as processes of a
+    job would (each its own seed): :func:`train_recorded` with ``rank=``, and ``options`` for
+    every rank, or a callable ``options[name](rank)`` for one that differs between them."""
+    import os
+
+    before = os.environ.get("AMPDOCTOR_RUN_ID")
+    os.environ["AMPDOCTOR_RUN_ID"] = run_id
+    try:
+        for rank in ranks:
+            own = {k: v(rank) if callable(v) else v for k, v in options.items()}
+            train_recorded(path, seed=rank, rank=rank, **own)
+    finally:
+        if before is None:
+            del os.environ["AMPDOCTOR_RUN_ID"]
+        else:
+            os.environ["AMPDOCTOR_RUN_ID"] = before

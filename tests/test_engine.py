@@ -21,7 +21,7 @@ from ampdoctor.read.ahead import read_ahead
 from ampdoctor.errors import RunError
 from ampdoctor.read.run import Run, read_run
 from ampdoctor.render import to_json
-from models import MLP, train_recorded, train_with_faults
+from models import MLP, train_ranks, train_with_faults
 
 
 def _values(column) -> list:
@@ -33,11 +33,7 @@ def _values(column) -> list:
 def ranks_run(tmp_path_factory):
     """Two ranks of one run at level "full" in segments of 6 steps, overflowing at first."""
     path = tmp_path_factory.mktemp("engine") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AMPDOCTOR_RUN_ID", "engine")
-        for rank in (0, 1):
-            train_recorded(path, steps=30, seed=rank, init_scale=2.0**24, level="full", every=4, module_every=8,
-                           flush_every=6, rank=rank)
+    train_ranks(path, "engine", steps=30, init_scale=2.0**24, level="full", every=4, module_every=8, flush_every=6)
     return read_run(path)
 
 
@@ -74,8 +70,8 @@ def test_steps_rows_are_run_table_of_steps(ranks_run):
 
 
 def test_a_version_1_run_reads_its_lists_with_pyarrow(tmp_path):
-    """Version 1's fixed-size histograms stay with pyarrow: the engine says NoLists, rows_at reads
-    the same rows through Run.table."""
+    """Version 1's fixed-size histograms stay with pyarrow: the engine says NoLists, steps_rows
+    reads the same rows through Run.table."""
     from pathlib import Path
 
     try:
@@ -84,7 +80,9 @@ def test_a_version_1_run_reads_its_lists_with_pyarrow(tmp_path):
         pytest.skip("this pyarrow reads no version 1 run")
     assert not engine.lists_here(run)
     with pytest.raises(engine.NoLists):
-        engine.steps_rows(run, ["step", "hist"], [1])
+        engine.Session(run, lists=True)
+    got, want = engine.steps_rows(run, ["step", "hist"], [1, 2]), run.table(["step", "hist"], steps=[1, 2])
+    assert got.num_rows == want.num_rows > 0 and got.equals(want)
     assert engine.query(run, "SELECT count(*) AS n FROM rows").column("n")[0].as_py() == run.rows
 
 
@@ -162,3 +160,100 @@ def test_event_context_is_the_analysis_where_it_matters(nan_run):
     for name in peaks.index:
         got, want = context.activation_peak.loc[name, "amax"], peaks.loc[name]
         assert (np.isnan(got) and np.isnan(want)) or got == want
+
+
+def test_fp8_passes_reduced_by_the_engine_are_the_rows_passes(ranks_run):
+    """fp8 reduces the GEMM rows over ranks in the engine (run_passes): the same passes, amaxes,
+    calls and summed histograms as reading every row (gemm_passes), so the same data."""
+    from ampdoctor.analysis.fp8 import _gemm_frame, fp8_data, passes_data
+    from ampdoctor.analysis.fp8_passes import gemm_passes, run_passes
+
+    rows, reduced = gemm_passes(_gemm_frame(ranks_run)), run_passes(ranks_run)
+    assert rows.ranks == reduced.ranks == 2 and len(rows.sampled) == len(reduced.sampled) > 0
+    assert rows.layer == reduced.layer and rows.kind == reduced.kind
+    for field in ("starts", "step", "call", "sampled", "calls_per_step"):
+        assert np.array_equal(getattr(rows, field), getattr(reduced, field)), field
+    assert np.array_equal(rows.amax, reduced.amax, equal_nan=True)
+    assert np.array_equal(rows.histograms(0, len(rows.sampled)), reduced.histograms(0, len(reduced.sampled)))
+    whole = passes_data(rows, ranks_run.metadata, path=str(ranks_run.path))
+    assert to_json(fp8_data(ranks_run)) == to_json({"path": str(ranks_run.path), "run_id": "engine", **whole})
+
+
+def test_footers_say_which_segments_hold_values(ranks_run):
+    """Segment.present (footer statistics) counts the rows that hold a value; a pass that wants
+    only such rows skips the segments with none and returns exactly those rows."""
+    total = 0
+    for s in ranks_run.segments:
+        table = Run(ranks_run.path, [s]).table(["n_underflow", "n_zero"])
+        assert s.present == {c: table.num_rows - table.column(c).null_count for c in ("n_underflow", "n_zero")}
+        total += s.present["n_underflow"]
+    assert 0 < total and any(s.present["n_underflow"] == 0 for s in ranks_run.segments)
+    rows = sum(b.num_rows for b in ranks_run.batches(["step", "n_underflow"], present="n_underflow"))
+    assert rows == total
+
+
+def test_grouping_the_batches_changes_no_bit_of_the_scan(ranks_run):
+    """The layer scan reads batches in groups (batch_groups): the groups' size changes nothing,
+    float sums included (they add up read batch by read batch)."""
+    from ampdoctor.analysis.layer_scan import scan_layers
+    from ampdoctor.float_formats import FLOAT16
+
+    groups = list(ranks_run.batch_groups(["step", "kind"], batch_rows=64, group_rows=300))
+    assert all(sum(b.num_rows for b in g) >= 300 for g in groups[:-1]) and len(groups) > 2
+    flat = [b.num_rows for g in groups for b in g]
+    assert flat == [b.num_rows for b in ranks_run.batches(["step", "kind"], batch_rows=64)]
+    scans = [scan_layers(ranks_run, FLOAT16, min_exp=-56, bins=64, batch_rows=64, group_rows=g) for g in (1, 500, 10**6)]
+    for other in scans[1:]:
+        assert other.layers.equals(scans[0].layers)
+        assert other.param_lost.equals(scans[0].param_lost)
+
+
+def test_grouping_changes_no_bit_where_ranks_sample_different_steps(tmp_path):
+    """Ranks that sample at different steps (a rank-local escalation does that): the per-step
+    sums of light and full rows interleave across ranks, and still add up as read batch by read
+    batch, whatever the grouping."""
+    from ampdoctor.analysis.layer_scan import scan_layers
+    from ampdoctor.float_formats import FLOAT16
+
+    path = tmp_path / "run"
+    train_ranks(path, "shifted", steps=40, loss_factor=1e-3, every=lambda rank: 4 + rank, flush_every=9)
+    run = read_run(path)
+    scans = [scan_layers(run, FLOAT16, min_exp=-56, bins=64, batch_rows=50, group_rows=g) for g in (1, 300, 10**6)]
+    for other in scans[1:]:
+        assert other.param_lost.equals(scans[0].param_lost)
+        assert other.layers.equals(scans[0].layers)
+
+
+def test_a_segment_damaged_in_a_list_column_is_skipped_by_every_command(nan_run, tmp_path):
+    """Damage in a histogram's pages (a column only some queries read): the engine's commands
+    skip that segment with the one warning the others give, and say what they say without it."""
+    import json
+    import shutil
+
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from ampdoctor.cli import main
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(nan_run, damaged)
+    target = sorted(damaged.glob("part-*.parquet"))[1]
+    meta = pq.ParquetFile(target).metadata
+    hist = next(i for i in range(meta.num_columns) if meta.row_group(0).column(i).path_in_schema.startswith("hist"))
+    chunk = meta.row_group(0).column(hist)
+    data = bytearray(target.read_bytes())
+    start = chunk.data_page_offset + 8
+    data[start:start + 64] = bytes(64)  # (zeros over the page's header and data: it cannot be decoded)
+    target.write_bytes(bytes(data))
+    without = tmp_path / "without"
+    shutil.copytree(nan_run, without)
+    (without / target.name).unlink()
+    warning = f"skipped unreadable segment {target.name}"
+    for command in ("info", "postmortem", "report"):  # (fp8 reads no histogram of these rows)
+        got = CliRunner().invoke(main, [command, str(damaged), "--format", "json"])
+        want = CliRunner().invoke(main, [command, str(without), "--format", "json"])
+        assert got.exit_code == want.exit_code == 0, (command, got.output[-300:])
+        text = got.output
+        assert text.count(warning) == 1, (command, text[-500:])
+        if command == "info":
+            assert json.loads(text)["rows"] == json.loads(want.output)["rows"]

@@ -15,7 +15,7 @@ from ampdoctor.analysis.report import report_data
 from ampdoctor.analysis.run_analysis import analyse
 from ampdoctor.read import partials
 from ampdoctor.read.run import read_run
-from models import train_recorded
+from models import train_ranks
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "sql.md"
 
@@ -25,11 +25,7 @@ def two_ranks(tmp_path_factory):
     """Two ranks of one run, level "full", overflowing at first (skipped steps, non-finite rows),
     written in segments of 7 steps."""
     path = tmp_path_factory.mktemp("partials") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AMPDOCTOR_RUN_ID", "two-ranks")
-        for rank in (0, 1):
-            train_recorded(path, steps=40, seed=rank, init_scale=2.0**24, level="full", every=5, module_every=10,
-                           flush_every=7, rank=rank)
+    train_ranks(path, "two-ranks", steps=40, init_scale=2.0**24, level="full", every=5, module_every=10, flush_every=7)
     return read_run(path)
 
 

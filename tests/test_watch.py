@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -143,3 +144,42 @@ def test_watch_refuses_a_path_that_is_not_a_run(tmp_path):
     result = CliRunner().invoke(main, ["watch", str(foreign), "--timeout", "30"])
     assert result.exit_code == 2
     assert "not an ampdoctor run" in result.stderr
+
+
+def test_each_poll_reads_only_the_footers_of_new_segments(tmp_path, monkeypatch):
+    """A long run's watch costs the new segments, not the run: footers already read are reused
+    while their files are unchanged (read_run's ``footers``); a file rewritten is read again."""
+    from ampdoctor.read import run as run_module
+    from ampdoctor.read.watch import RunFollower
+
+    path = tmp_path / "run.parquet"
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ampdoctor.GradScaler("cpu", model=model, path=path, flush_every=1)
+
+    def train(steps, total):
+        for x, y in batches(steps):
+            scaler.scale(mse(model, x, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        deadline = time.monotonic() + 10  # (a segment a step, written by the writer's thread)
+        while len(list(path.glob("part-*.parquet"))) < total and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    read = []
+    real = run_module.read_segment
+    monkeypatch.setattr(run_module, "read_segment", lambda p, **kw: read.append(p.name) or real(p, **kw))
+    follower = RunFollower(path)
+    train(4, 4)
+    first = follower.poll()
+    assert first.steps == 4 and len(read) == len(list(path.glob("part-*.parquet"))) >= 4
+    read.clear()
+    assert follower.poll().new_steps == 0 and read == []  # nothing new: no footer read
+    before = set(path.glob("part-*.parquet"))
+    train(3, 7)
+    scaler.close()
+    progress = follower.poll()
+    assert progress.steps == 7 and progress.ended
+    assert sorted(read) == sorted(p.name for p in set(path.glob("part-*.parquet")) - before)

@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..float_formats import FloatFormat, FLOAT16
-from ..read.engine import NoLists, Session
+from ..read.engine import EngineCannot, Session
 from ..read.run import Run
 from ..run_file.hist_column import BadHistogram, as_hist_column
 from ..run_file.schema import META_LEVEL, MODULE_KINDS
@@ -73,7 +73,7 @@ def event_context(run: Run) -> EventContext | None:
             if unanswered is None:
                 return None
             level, peaks, params = _level(session), _activation_peak(session), param_rows(session)
-    except (NoLists, BadHistogram):
+    except (EngineCannot, BadHistogram):
         return None
     own: list[Finding] = []
     step_rows = with_valid_scale(step_rows, own)

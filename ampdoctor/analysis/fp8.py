@@ -28,10 +28,11 @@ import numpy as np
 import pandas as pd
 
 from ..errors import RunError
+from ..read.engine import EngineCannot
 from ..read.run import Run, expect_run, to_frame
 from ..run_file.schema import (GEMM_KINDS, meta_names, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL,
                                META_RUN_ID, ROOT_NAME)
-from .fp8_passes import COLUMNS, GRAD, INPUT, WEIGHT, Passes, gemm_passes
+from .fp8_passes import COLUMNS, GRAD, INPUT, WEIGHT, Passes, gemm_passes, run_passes
 from .fp8_recipes import FORMATS, HISTORIES, OPERANDS, Cells, cells
 
 DEFAULT_FLUSH_LIMIT = 0.01
@@ -72,10 +73,16 @@ def frame_data(frame: pd.DataFrame, metadata: Mapping[str, str] | None = None, *
     """:func:`fp8_data` of the rows of ``frame`` (columns :data:`COLUMNS`) and the run's
     ``metadata``, without ``path`` and ``run_id``. Raises :class:`RunError` when ``frame`` holds
     no GEMM rows (``path`` names the run in its message)."""
+    return passes_data(gemm_passes(frame), metadata, flush_limit=flush_limit, path=path)
+
+
+def passes_data(p: Passes | None, metadata: Mapping[str, str] | None = None, *,
+                flush_limit: float = DEFAULT_FLUSH_LIMIT, path: str = "") -> dict:
+    """:func:`frame_data` of the passes ``p`` (:func:`~.fp8_passes.gemm_passes`,
+    :func:`~.fp8_passes.run_passes`); None: no GEMM rows."""
     if not (0.0 <= flush_limit <= 1.0):
         raise ValueError(f"flush_limit must be between 0 and 1, not {flush_limit!r}")
     metadata = dict(metadata or {})
-    p = gemm_passes(frame)
     if p is None:
         raise RunError(no_operands_message(path, metadata))
     types = _layer_types(metadata)
@@ -253,7 +260,13 @@ def fp8_data(run: Run, *, flush_limit: float = DEFAULT_FLUSH_LIMIT) -> dict:
     clip; the layers to keep as torchao's ``module_filter_fn``, the shortest history. Raises
     :class:`RunError` for a run without GEMM operand rows."""
     meta = expect_run(run, "fp8_data()").metadata
-    data = frame_data(_gemm_frame(run), meta, flush_limit=flush_limit, path=str(run.path))
+    if not (0.0 <= flush_limit <= 1.0):
+        raise ValueError(f"flush_limit must be between 0 and 1, not {flush_limit!r}")
+    try:
+        passes = run_passes(run)  # (reduced over ranks by the query engine)
+    except EngineCannot:
+        passes = gemm_passes(_gemm_frame(run))
+    data = passes_data(passes, meta, flush_limit=flush_limit, path=str(run.path))
     return {"path": str(run.path), "run_id": meta.get(META_RUN_ID, ""), **data}
 
 

@@ -116,6 +116,82 @@ def gemm_passes(frame: pd.DataFrame) -> Passes | None:
                   _offsets=np.r_[offsets, len(rows_with)].astype(np.int64))
 
 
+def run_passes(run) -> Passes | None:
+    """:func:`gemm_passes` of a read run's GEMM rows, reduced over ranks by the query engine
+    (:mod:`ampdoctor.read.engine`) instead of read whole: the same passes, in the same order, with
+    the same amaxes, calls and summed histograms (a run of 1024 ranks is 1024 times fewer rows
+    here). None when the run has none. :class:`~ampdoctor.read.engine.EngineCannot` for a run the
+    engine cannot read so (version 1's lists, a segment failing part way): the caller reads its
+    rows instead."""
+    from ..read.engine import NoLists, Session, lists_here
+
+    if not lists_here(run):
+        raise NoLists()
+    kinds = ", ".join(f"'{k}'" for k in GEMM_KINDS)
+    # A pass: a (kind, layer, step, call) over the ranks (a weight: one per step). Its amax is NaN
+    # if a rank's was NaN or missing, else the largest (np.maximum's reduction in gemm_passes).
+    passes_sql = f"""
+        SELECT kind, name, step,
+               CASE WHEN kind = '{WEIGHT}' THEN -1 ELSE coalesce(call, -1) END AS pass_call,
+               CASE WHEN bool_or(amax IS NULL OR isnan(amax)) THEN CAST('NaN' AS DOUBLE)
+                    ELSE max(amax)::DOUBLE END AS amax,
+               coalesce(min(call) FILTER (WHERE call >= 0), -1) AS call,
+               min(segment::BIGINT * 4294967296 + segment_row) AS position
+        FROM rows WHERE kind IN ({kinds}) GROUP BY kind, name, step, pass_call"""
+    # The sampled rows' histograms, streamed and summed per pass here (integer sums: exact in any
+    # order); a long run's are gigabytes together, a pass's sum is 16 KiB.
+    hists_sql = f"""
+        SELECT kind, name, step, CASE WHEN kind = '{WEIGHT}' THEN -1 ELSE coalesce(call, -1) END AS pass_call,
+               fine_hist
+        FROM rows WHERE kind IN ({kinds}) AND len(fine_hist) = {FINE_BINS}"""
+    with Session(run, lists=True) as session:
+        found = session.query(passes_sql)
+        if not found.num_rows:
+            return None
+        ranks = session.query(f"SELECT count(DISTINCT rank) AS n FROM rows WHERE kind IN ({kinds})").column("n")[0]
+        sums: dict[tuple, np.ndarray] = {}
+        for batch in session.batches(hists_sql):
+            keys = list(zip(*(batch.column(c).to_pylist() for c in ("kind", "name", "step", "pass_call"))))
+            column = batch.column("fine_hist")
+            counts = np.asarray(column.values.slice(column.offsets[0].as_py(),
+                                                    len(batch) * FINE_BINS)).reshape(len(batch), FINE_BINS)
+            for key, row in zip(keys, counts):
+                total = sums.get(key)
+                sums[key] = row.copy() if total is None else total + row
+    position = found.column("position").to_numpy()
+    # Layers in the order their first row appears (gemm_passes factorizes the rows as read).
+    name = np.asarray(found.column("name").to_pylist(), dtype=object)
+    first_of = pd.Series(position).groupby(name).min()
+    names = list(first_of.sort_values(kind="stable").index)
+    name_codes = pd.Index(names).get_indexer(name).astype(np.int64)
+    kind_codes = pd.Index(list(GEMM_KINDS)).get_indexer(found.column("kind").to_pylist()).astype(np.int64)
+    seq = kind_codes * len(names) + name_codes
+    step = found.column("step").to_numpy().astype(np.int64)
+    pass_call = found.column("pass_call").to_numpy().astype(np.int64)
+    order = np.lexsort((pass_call, step, seq))
+    seq, step, pass_call = seq[order], step[order], pass_call[order]
+    amax = found.column("amax").to_numpy(zero_copy_only=False).astype(np.float64)[order]
+    call = found.column("call").to_numpy().astype(np.int64)[order]
+    kinds_of = np.asarray(found.column("kind").to_pylist(), dtype=object)[order]
+    names_of = name[order]
+    sampled = np.array([i for i in range(len(order)) if (kinds_of[i], names_of[i], int(step[i]), int(pass_call[i]))
+                        in sums], dtype=np.int64)
+    summed = np.empty(len(sampled), dtype=object)
+    for j, i in enumerate(sampled):
+        summed[j] = sums[(kinds_of[i], names_of[i], int(step[i]), int(pass_call[i]))]
+    seq_first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    starts = np.r_[seq_first, len(seq)].astype(np.int64)
+    step_first = np.flatnonzero(np.r_[True, (seq[1:] != seq[:-1]) | (step[1:] != step[:-1])])
+    per_step = np.diff(np.r_[step_first, len(seq)])
+    calls_per_step = np.maximum.reduceat(per_step, np.searchsorted(step_first, seq_first))
+    codes = seq[seq_first]
+    return Passes(layer=[names[c % len(names)] for c in codes], kind=[GEMM_KINDS[c // len(names)] for c in codes],
+                  starts=starts, step=step, call=call, amax=amax, sampled=sampled.astype(np.int64),
+                  ranks=int(ranks.as_py()), calls_per_step=calls_per_step, _hists=summed,
+                  _sources=np.arange(len(sampled), dtype=np.int64),
+                  _offsets=np.arange(len(sampled) + 1, dtype=np.int64))
+
+
 def _codes(column: pd.Series) -> tuple[list[str], np.ndarray]:
     """The distinct values of a (dictionary-encoded) string column as str, and each row's index
     into them (a categorical's codes: no string per row is made)."""

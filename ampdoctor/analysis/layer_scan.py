@@ -361,14 +361,25 @@ class _Accumulator:
         inside = (offset >= 0) & (offset < len(self.param_lost))
         p = param & inside
         pf = p & full & ~nonfinite
-        np.add.at(self.param_lost, offset[pf], lost[pf])
-        np.add.at(self.param_lost_hi, offset[pf], lost[pf])
-        np.add.at(self.param_zero, offset[pf], col["n_zero"][pf])
-        np.add.at(self.param_undecided, offset[pf], np.maximum(upper[pf] - lost[pf], 0.0))
-        self.param_seen[offset[pf]] = True
-        np.add.at(self.param_judged, offset[pf & judged], col["numel"][pf & judged])
-        np.add.at(self.param_measured, offset[pf & measured], col["numel"][pf & measured])
-        self._carry_to_light_steps(key, col, param & ~nonfinite, full, cumsum, lost, upper, first_step, below)
+        # The per-step sums, read batch by read batch as the rows were read: a batch's full rows,
+        # then its light rows carried from their samples (the float sums' order, whatever the
+        # grouping of the batches).
+        full_before = np.concatenate([[0], np.cumsum(full)])
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            part = np.zeros(len(layer), dtype=bool)
+            part[a:b] = True
+            at = pf & part
+            np.add.at(self.param_lost, offset[at], lost[at])
+            np.add.at(self.param_lost_hi, offset[at], lost[at])
+            np.add.at(self.param_zero, offset[at], col["n_zero"][at])
+            np.add.at(self.param_undecided, offset[at], np.maximum(upper[at] - lost[at], 0.0))
+            self.param_seen[offset[at]] = True
+            np.add.at(self.param_judged, offset[at & judged], col["numel"][at & judged])
+            np.add.at(self.param_measured, offset[at & measured], col["numel"][at & measured])
+            rows = slice(a, b)
+            self._carry_to_light_steps(key[rows], {c: v[rows] for c, v in col.items()}, (param & ~nonfinite)[rows],
+                                       full[rows], cumsum[full_before[a]:full_before[b]], lost[rows], upper[rows],
+                                       first_step, below[rows])
         # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
         # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
         in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]

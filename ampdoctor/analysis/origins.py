@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from ..run_file.schema import MODULE_KINDS, ROOT_NAME
-from ..read.engine import NoLists, steps_rows
+from ..read.engine import steps_rows
 from ..read.run import Run, to_frame
 
 OUTSIDE = "(outside tapped modules)"  # a gradient produced by code no tapped module encloses
@@ -334,13 +334,8 @@ ORIGIN_COLUMNS = ["step", "rank", "kind", "name", "order", "dtype", "skipped", "
 def rows_at(run: Run, steps) -> pd.DataFrame:
     """Every row of ``steps`` with the columns the origins need (names as plain strings), in the
     run's order. Found by the query engine (a few steps of a long run: the footers' statistics
-    skip most row groups); runs whose lists it cannot hold are read by pyarrow."""
-    steps = sorted({int(s) for s in steps})
-    try:
-        table = steps_rows(run, ORIGIN_COLUMNS, steps)
-    except NoLists:
-        table = run.table(ORIGIN_COLUMNS, steps=steps)
-    frame = to_frame(table)
+    skip most row groups; engine.steps_rows)."""
+    frame = to_frame(steps_rows(run, ORIGIN_COLUMNS, sorted({int(s) for s in steps})))
     for c in ("kind", "name", "dtype"):
         frame[c] = frame[c].astype(str)
     return frame

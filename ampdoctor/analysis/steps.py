@@ -129,8 +129,9 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
                       nonfinite=("nonfinite", "any"),
                       amax=("amax", "max"), l2=("l2", "max"), loss=("loss", "mean"),
                       loss_recorded=("loss_recorded", "any"), numel=("numel", "sum"),
-                      n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"), sampled=("sampled", "any"),
-                      n_zero_lines=("n_zero_lines", lambda c: c.sum(min_count=1)))
+                      n_zero=("n_zero", "sum"), n_subnormal=("n_subnormal", "sum"), sampled=("sampled", "any"))
+    # (null where no rank recorded its lines; counts as floats: exact sums)
+    agg["n_zero_lines"] = grouped["n_zero_lines"].sum(min_count=1)
     codes = grouped.ngroup().to_numpy()
     merged_hist = np.zeros((len(agg), bins))
     of_row = hist_row[frame["_row"].to_numpy()]

@@ -64,3 +64,6 @@ def read_ahead(source: Iterator[T], depth: int = 2) -> Iterator[T]:
             yield item
     finally:
         stop.set()
+        # The thread ends at its next hand-over; a batch it is still decoding is waited for no
+        # longer than that bound (it is a daemon: it never holds the process open).
+        thread.join(timeout=2 * HAND_OVER_SECONDS)

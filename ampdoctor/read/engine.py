@@ -16,34 +16,43 @@ segment lacks (an older schema version) are NULL. The scalar columns of the run 
 where every segment has schema version 2's types (version 1's fixed-size histograms stay with
 pyarrow's reader: :class:`NoLists`).
 
-Any failure of the engine on the files (a segment damaged past its footer, one removed since it
-was listed) is a :class:`~ampdoctor.errors.RunError` naming the file when the engine does.
+A segment the engine cannot read (damaged past its footer, removed since it was listed) is found
+with pyarrow and skipped with the warning every reader gives, and the query run again; a failure
+no segment explains is :class:`EngineCannot`, and the caller reads with pyarrow.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import pyarrow as pa
 
-from ..errors import RunError, one_line
+from ..errors import one_line
 from ..run_file.segment import COLUMN_TYPES
 
 # The run schema's scalar columns (docs/run-file.md): what ``rows`` holds.
 COLUMNS = ("step", "rank", "kind", "name", "order", "dtype", "numel", "scale", "skipped", "loss", "amax", "amin",
            "l2", "n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines", "n_underflow", "call", "parent")
-LISTS = ("hist", "underflow_hist", "inputs", "computed_inputs")  # with ``lists=True``
+LISTS = ("hist", "underflow_hist", "inputs", "computed_inputs", "fine_hist")  # with ``lists=True``
 MEMORY_LIMIT = "512MB"  # the engine's own buffers (Arrow results come on top): docs/benchmarks.md
 _SQL_TYPES = {"step": "BIGINT", "rank": "INTEGER", "kind": "VARCHAR", "name": "VARCHAR", "order": "INTEGER",
               "dtype": "VARCHAR", "numel": "BIGINT", "scale": "FLOAT", "skipped": "BOOLEAN", "loss": "FLOAT",
               "amax": "FLOAT", "amin": "FLOAT", "l2": "FLOAT", "n_zero": "BIGINT", "n_subnormal": "BIGINT",
               "n_nan": "BIGINT", "n_inf": "BIGINT", "n_zero_lines": "BIGINT", "n_underflow": "BIGINT",
               "call": "INTEGER", "parent": "INTEGER", "hist": "BIGINT[]", "underflow_hist": "BIGINT[]",
-              "inputs": "INTEGER[]", "computed_inputs": "INTEGER[]"}
+              "inputs": "INTEGER[]", "computed_inputs": "INTEGER[]", "fine_hist": "BIGINT[]"}
 
 
-class NoLists(Exception):
+class EngineCannot(Exception):
+    """What the engine cannot read as the run's readers do: the caller reads with pyarrow instead.
+    A run whose lists are not version 2's (:class:`NoLists`), a segment path the engine would read
+    as a pattern (``*``, ``?``, ``[``), an answer streamed part way when a segment failed, a
+    failure no unreadable segment explains (files another tool rewrote in types it does not
+    unify)."""
+
+
+class NoLists(EngineCannot):
     """The run's histograms are not all of schema version 2's type (``list<int64>``): a query that
     wants the list columns reads with pyarrow instead (:func:`lists_here`)."""
 
@@ -65,10 +74,13 @@ class Session:
 
         if lists and not lists_here(run):
             raise NoLists()
+        if any(c in str(s.path) for s in run.segments for c in "*?["):
+            raise EngineCannot("a segment's path holds a pattern character")
         self.run, self.lists = run, lists
-        self._connection = duckdb.connect(":memory:", config={"threads": max(1, os.cpu_count() or 1),
-                                                               "memory_limit": MEMORY_LIMIT})
+        self._connection = duckdb.connect(":memory:", config={"threads": _cores(), "memory_limit": MEMORY_LIMIT})
         self._connection.execute("SET enable_progress_bar = false")  # (it would print on a terminal)
+        # The segments' footers read once for the session's queries, not once a query.
+        self._connection.execute("SET enable_object_cache = true")
         self._registered = False
 
     def query(self, sql: str, params: Sequence | None = None, tables: dict[str, pa.Table] | None = None) -> pa.Table:
@@ -78,15 +90,15 @@ class Session:
 
         for name, table in (tables or {}).items():
             self._connection.register(name, table)
-        try:
-            return self._answer(sql, params)
-        except duckdb.Error as exc:
-            # A segment whose data the engine could not read: found and skipped with a warning, as
-            # Run.table skips it (Run raises RunError when none is left), and the query run again.
-            if not _skip_unreadable(self.run):
-                raise RunError(one_line(f"{self.run.path}: the query engine failed on this run ({exc})")) from None
-        self._registered = False
-        return self._answer(sql, params)
+        while True:
+            try:
+                return self._answer(sql, params)
+            except duckdb.Error as exc:
+                # A segment whose data the engine could not read: found and skipped with a warning,
+                # as Run.table skips it (Run raises RunError when none is left), and the query run
+                # again; a failure no segment explains: the caller reads with pyarrow.
+                if not self._skip_unreadable():
+                    raise EngineCannot(one_line(f"the query engine failed on this run ({exc})")) from None
 
     def _answer(self, sql: str, params: Sequence | None) -> pa.Table:
         if not self._registered:
@@ -94,6 +106,35 @@ class Session:
             self._registered = True
         connection = self._connection
         return arrow_of(connection.sql(sql, params=list(params)) if params else connection.sql(sql))
+
+    def batches(self, sql: str, rows: int = 4096) -> Iterator[pa.RecordBatch]:
+        """The answer of ``sql`` as record batches of at most ``rows`` rows, streamed (for an
+        answer too large to hold at once). A segment that fails to read part way: skipped with its
+        warning, then :class:`EngineCannot` (what was streamed is not the whole answer)."""
+        import duckdb
+
+        self.query("SELECT 1")  # (registers the views)
+        try:
+            relation = self._connection.sql(sql)
+            # (DuckDB 2 renamed the reader; 1.0 has fetch_arrow_reader, which 2 keeps)
+            reader = getattr(relation, "to_arrow_reader", None) or relation.fetch_arrow_reader
+            yield from reader(rows)
+        except duckdb.Error as exc:
+            self._skip_unreadable()
+            raise EngineCannot(one_line(f"the query engine failed part way through a streamed answer ({exc})")) from None
+
+    def _skip_unreadable(self) -> bool:
+        """Read each segment with pyarrow; those that fail are marked unreadable in the run, with
+        its warning. Whether any was (the views then leave it
+        out). Raises RunError when none is left."""
+        found = False
+        for segment in self.run.segments:
+            if segment.path in self.run.unreadable_segments or not segment.rows:
+                continue
+            if self.run.read_failure(segment, None):  # (every column: what Run.frame reads)
+                found = True
+        self._registered = not found and self._registered
+        return found
 
     def close(self) -> None:
         self._connection.close()
@@ -112,16 +153,12 @@ def query(run, sql: str, params: Sequence | None = None, lists: bool = False) ->
         return session.query(sql, params)
 
 
-def _skip_unreadable(run) -> bool:
-    """Read each segment's scalar columns with pyarrow; those that fail are marked unreadable in
-    ``run`` (with its warning). Whether any was."""
-    found = False
-    for segment in run.segments:
-        if segment.path in run.unreadable_segments or not segment.rows:
-            continue
-        if run.read_failure(segment, [c for c in COLUMNS if c != "order"]):
-            found = True
-    return found
+def _cores() -> int:
+    """The cores this process may use (a container's quota, not the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _register(connection, run, lists: bool) -> None:
@@ -139,12 +176,15 @@ def _register(connection, run, lists: bool) -> None:
                       "until": pa.array([s.until for s in segments], pa.int64())})
     connection.register("segment_files", files)  # (replaces an earlier registration)
     present = _columns_present(segments, names)
+    # Segments of one schema are read by position (each file's schema bound only when read: the
+    # binding of thousands at once holds their footers, about 50 KB each); of several, by name.
+    union = "true" if len({s.columns for s in segments}) > 1 else "false"
     columns = ", ".join(f"CAST({_quoted(c)} AS {_SQL_TYPES[c]}) AS {_quoted(c)}" if c in present
                         else f"NULL::{_SQL_TYPES[c]} AS {_quoted(c)}" for c in names)
     listing = "[" + ", ".join(_literal(str(s.path)) for s in segments) + "]"
     connection.execute(
         f"CREATE OR REPLACE VIEW rows AS SELECT {columns}, f.segment AS segment, p.file_row_number AS segment_row "
-        f"FROM read_parquet({listing}, union_by_name = true, filename = true, file_row_number = true) p "
+        f"FROM read_parquet({listing}, union_by_name = {union}, filename = true, file_row_number = true) p "
         f"JOIN segment_files f ON p.filename = f.filename WHERE f.until IS NULL OR p.step < f.until")
 
 
@@ -170,11 +210,14 @@ def _literal(text: str) -> str:
 
 def steps_rows(run, columns: Sequence[str], steps: Sequence[int], kinds: Sequence[str] | None = None) -> pa.Table:
     """Every row of ``steps`` (of ``kinds``, when given) with ``columns``, in the run's order and
-    the run schema's types (as ``Run.table(columns, kinds, steps)`` reads them). :class:`NoLists`
-    where a list column is asked of a run whose lists the engine cannot hold."""
+    the run schema's types: ``Run.table(columns, kinds, steps)``, which it is where the engine
+    cannot read the run (:class:`EngineCannot`)."""
     wanted = ", ".join(str(int(s)) for s in steps) or "NULL"
     names = ", ".join(_quoted(c) for c in columns)
     of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
-    table = query(run, f"SELECT {names} FROM rows WHERE step IN ({wanted}){of_kinds} ORDER BY segment, segment_row",
-                  lists=any(c in LISTS for c in columns))
+    try:
+        table = query(run, f"SELECT {names} FROM rows WHERE step IN ({wanted}){of_kinds} "
+                           f"ORDER BY segment, segment_row", lists=any(c in LISTS for c in columns))
+    except EngineCannot:
+        return run.table(list(columns), kinds=kinds, steps=list(steps))
     return pa.Table.from_arrays([table.column(c).cast(COLUMN_TYPES[c]) for c in columns], names=list(columns))

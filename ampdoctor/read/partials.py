@@ -16,8 +16,12 @@ on its own (a map step: any number of workers, any split of the files), and
   smallest nonzero magnitude and non-finite observations.
 
 Every partial is a count, an integer sum, a maximum, a minimum or a logical or, so the combined
-figures are exactly those of one pass, in any order, and exactly what ``ampdoctor report`` and
-``layers`` show for them (tests/test_partials.py). Only portable SQL: no engine's own functions
+figures are exactly those of one pass, in any order. Where the report shows the same figure they
+are its own, exactly (tests/test_partials.py): each step's scale and whether it was skipped, and
+each layer's observations, zero and subnormal rates, peak, smallest magnitude and non-finite
+observations. The step's elements, zeros and peak are the rows' own sums and maximum (the report's
+step series reads them differently: a light step's zeros are carried from its sample, an overflowed
+step's peak is none). Only portable SQL: no engine's own functions
 (finite means between ±3.5e38, which NaN is not on any of the three), ``min_by`` and ``bool_or``
 (Spark 3.0, Trino and DuckDB have both).
 
@@ -36,7 +40,9 @@ import pyarrow as pa
 from .engine import Session, arrow_of
 
 _FINITE = "({x} < 3.5e38 AND {x} > -3.5e38)"  # float32 max is 3.40e38: inf and NaN are not in it
-_NONFINITE = ("(COALESCE(n_nan, 0) + COALESCE(n_inf, 0) > 0 OR (n_zero IS NULL AND NOT COALESCE("
+# As the layer scan judges a row: its counts say so (a null count says nothing), or a light row's
+# peak is not a number.
+_NONFINITE = ("(COALESCE(n_nan + n_inf > 0, false) OR (n_zero IS NULL AND NOT COALESCE("
               + _FINITE.format(x="amax") + ", false)))")
 
 STEP_PARTIALS = f"""

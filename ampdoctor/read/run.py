@@ -11,7 +11,8 @@ I/O error, removed since the listing), is skipped with a warning and the rest is
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -30,6 +31,9 @@ from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, 
                                SCALER_META, SCHEMA_VERSION, meta_number)
 from ..run_file.names import is_temporary_name, runs_oldest_first, segment_files, started_at
 from ..run_file.segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_failure, read_segment
+
+
+_WARNINGS = threading.Lock()  # held only to check and append one warning
 
 
 @dataclass
@@ -209,10 +213,10 @@ class Run:
         """The paths of the segments whose data failed to read (skipped with a warning)."""
         return frozenset(self._bad_segments)
 
-    def read_failure(self, segment: Segment, columns: Sequence[str]) -> bool:
-        """Read ``columns`` of ``segment``; when that fails, the segment is skipped from then on
-        with a warning (as a failed read in :meth:`table` is). Whether it failed. Raises
-        :class:`RunError` when no readable segment is left."""
+    def read_failure(self, segment: Segment, columns: Sequence[str] | None) -> bool:
+        """Read ``columns`` of ``segment`` (None: all); when that fails, the segment is skipped
+        from then on with a warning (as a failed read in :meth:`table` is). Whether it failed.
+        Raises :class:`RunError` when no readable segment is left."""
         failed = self._read(segment, columns, None, None) is None
         if failed:
             self._check_readable()
@@ -243,8 +247,9 @@ class Run:
 
     def _warn_once(self, message: str) -> None:
         message = one_line(message)
-        if message not in self.warnings:
-            self.warnings.append(message)
+        with _WARNINGS:  # (a read-ahead thread may warn while the caller does)
+            if message not in self.warnings:
+                self.warnings.append(message)
 
 
 def expect_run(run: object, taker: str) -> Run:
@@ -256,15 +261,19 @@ def expect_run(run: object, taker: str) -> Run:
     return run
 
 
-def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
+def read_run(path: str | os.PathLike, run_id: str | None = None, footers: dict | None = None) -> Run:
     """Validate the run at ``path`` (every segment's footer and schema version; the data is read
     later, on demand). Raises :class:`RunError` for anything not a run.
 
     A directory may hold several runs (a path reused by a new run): each ``run.id`` is one run,
     never mixed with another. ``run_id`` (or a unique prefix of it) selects one; by default the
     latest started is read, with a warning naming the others. A resumed run (its scaler's
-    ``state_dict`` loaded) keeps its run id, so it continues the same run."""
-    root, segments, warnings = _located(path, run_id)
+    ``state_dict`` loaded) keeps its run id, so it continues the same run.
+
+    ``footers``: a dict kept by a caller that reads the same path again (``watch``): the footers
+    read, by file, and reused while the file's size and modification time are unchanged, so that
+    a run of thousands of segments costs a listing and the new segments' footers."""
+    root, segments, warnings = _located(path, run_id, footers)
     segments, skipped = _readable_here(root, segments)
     run = Run(root, segments, warnings + skipped + _supersede(segments))
     if run.rows == 0:
@@ -278,7 +287,8 @@ def read_run(path: str | os.PathLike, run_id: str | None = None) -> Run:
     return run
 
 
-def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Segment], list[str]]:
+def _located(path: str | os.PathLike, run_id: str | None,
+             footers: dict | None = None) -> tuple[Path, list[Segment], list[str]]:
     """The segments of one run at ``path`` from their footers (``read_run``'s choice of run), and
     the warnings so far. Raises :class:`RunError` for anything not a run."""
     root = Path(path)
@@ -303,7 +313,7 @@ def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Se
     ignored_counts: dict[str, int] = {}  # metadata problems, once each with the segments they were in
     for f in files:
         try:
-            segment, ignored = read_segment(f, single=not root.is_dir())
+            segment, ignored = _footer(f, not root.is_dir(), footers)
         except ForeignParquet:
             foreign.append(f)
             continue
@@ -323,6 +333,23 @@ def _located(path: str | os.PathLike, run_id: str | None) -> tuple[Path, list[Se
     problems.extend(f"ignored {f.name}: not an ampdoctor segment" for f in foreign)
     segments, choice = _one_run(root, segments, run_id)
     return root, segments, choice + problems
+
+
+def _footer(path: Path, single: bool, footers: dict | None) -> tuple[Segment, list[str]]:
+    """``read_segment(path)``, or what ``footers`` kept of it while the file is unchanged (a copy:
+    reading a run marks its segments)."""
+    if footers is None:
+        return read_segment(path, single=single)
+    try:
+        stat = path.stat()
+        key = (stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        return read_segment(path, single=single)  # (says why, as a segment or the run's error)
+    kept = footers.get(path)
+    if kept is None or kept[0] != key:
+        kept = footers[path] = (key, read_segment(path, single=single))
+    segment, ignored = kept[1]
+    return replace(segment, until=None), list(ignored)
 
 
 def _one_run(root: Path, segments: list[Segment], run_id: str | None) -> tuple[list[Segment], list[str]]:
@@ -495,25 +522,16 @@ def empty_table(columns: Sequence[str] | None = None) -> pa.Table:
 
 def describe(run: Run) -> dict:
     """The facts ``ampdoctor info`` shows, as plain data: counted by the query engine
-    (:mod:`.engine`), so that no row is loaded."""
-    from .engine import query
+    (:mod:`.engine`), so that no row is loaded; every column is read (a segment damaged anywhere is
+    skipped with its warning, as when the rows are loaded), only aggregates are kept."""
+    from .engine import EngineCannot, Session, lists_here
 
+    try:
+        with Session(run, lists=lists_here(run)) as session:
+            counted = _counted(session)
+    except EngineCannot:
+        counted = _counted_in_frame(run)
     meta = run.metadata
-    # Each kind's rows, most first; of equal counts the kind met first in the run's order.
-    kinds = query(run, "SELECT kind, count(*) AS n, min(segment) AS s, arg_min(segment_row, segment::BIGINT "
-                       "* 4294967296 + segment_row) AS r FROM rows GROUP BY kind").to_pylist()
-    kinds.sort(key=lambda k: (-k["n"], k["s"], k["r"]))
-    facts = query(run, """
-        WITH step_rows AS (SELECT step, rank, skipped, segment, segment_row FROM rows WHERE kind = 'step'),
-             firsts AS (SELECT arg_min(skipped, segment::BIGINT * 4294967296 + segment_row) AS skipped
-                        FROM step_rows GROUP BY step, rank)
-        SELECT (SELECT count(DISTINCT step) FROM step_rows) AS steps,
-               (SELECT min(step) FROM step_rows) AS first_step,
-               (SELECT max(step) FROM step_rows) AS last_step,
-               (SELECT count(*) FILTER (WHERE skipped) FROM firsts) AS skipped_steps,
-               (SELECT list(DISTINCT rank) FROM rows) AS ranks,
-               (SELECT count(DISTINCT name) FROM rows WHERE kind <> 'step' AND name <> '') AS tensors,
-               (SELECT count(*) FROM rows) AS rows""").to_pylist()[0]
     return {
         "path": str(run.path),
         "schema_version": int(meta.get(META_SCHEMA_VERSION, SCHEMA_VERSION)),
@@ -525,18 +543,60 @@ def describe(run: Run) -> dict:
         "amp_dtype": meta.get(META_AMP_DTYPE),
         "scaler": {"class": meta.get(META_SCALER_CLASS),
                    **{key: meta_number(meta.get(name)) for key, name in SCALER_META.items()}},
-        "steps": int(facts["steps"]),
-        "first_step": None if facts["first_step"] is None else int(facts["first_step"]),
-        "last_step": None if facts["last_step"] is None else int(facts["last_step"]),
-        "skipped_steps": int(facts["skipped_steps"]),
-        "ranks": sorted(int(r) for r in facts["ranks"] or [] if r is not None),
+        **{k: counted[k] for k in ("steps", "first_step", "last_step", "skipped_steps", "ranks")},
         "world_size": meta_number(meta.get(META_WORLD_SIZE)),
-        "tensors": int(facts["tensors"]),
-        "kinds": {str(k["kind"]): int(k["n"]) for k in kinds if k["n"]},
-        "rows": int(facts["rows"]),
+        **{k: counted[k] for k in ("tensors", "kinds", "rows")},
         "segments": len(run.segments),
         "size_bytes": run.size_bytes,
         "ended_cleanly": run.ended_cleanly,
         "unwritten_at_exit": run.unwritten_at_exit,
         "warnings": list(run.warnings),
     }
+
+
+def _counted(session) -> dict:
+    """``info``'s counts, by the engine."""
+    from .engine import COLUMNS, LISTS
+
+    # Every column read once (its values aggregated), so that damage anywhere is found first.
+    touched = [f'max("{c}")' for c in COLUMNS] + ([f"max(list_sum({c}))" for c in LISTS] if session.lists else [])
+    session.query(f"SELECT {', '.join(touched)} FROM rows")
+    # Each kind's rows, most first; of equal counts the kind met first in the run's order.
+    kinds = session.query("SELECT kind, count(*) AS n, min(segment::BIGINT * 4294967296 + segment_row) AS first "
+                          "FROM rows GROUP BY kind").to_pylist()
+    kinds.sort(key=lambda k: (-k["n"], k["first"]))
+    facts = session.query("""
+        WITH step_rows AS (SELECT step, rank, skipped, segment, segment_row FROM rows WHERE kind = 'step'),
+             -- each (step, rank)'s first row in the run's order, null included (1: skipped)
+             firsts AS (SELECT arg_min(CASE WHEN skipped IS NULL THEN 2 WHEN skipped THEN 1 ELSE 0 END,
+                                       segment::BIGINT * 4294967296 + segment_row) AS skipped
+                        FROM step_rows GROUP BY step, rank)
+        SELECT (SELECT count(DISTINCT step) FROM step_rows) AS steps,
+               (SELECT min(step) FROM step_rows) AS first_step,
+               (SELECT max(step) FROM step_rows) AS last_step,
+               (SELECT count(*) FILTER (WHERE skipped = 1) FROM firsts) AS skipped_steps,
+               (SELECT list(DISTINCT rank) FROM rows) AS ranks,
+               (SELECT count(DISTINCT name) FROM rows WHERE kind <> 'step' AND name <> '') AS tensors,
+               (SELECT count(*) FROM rows) AS rows""").to_pylist()[0]
+    return {"steps": int(facts["steps"]),
+            "first_step": None if facts["first_step"] is None else int(facts["first_step"]),
+            "last_step": None if facts["last_step"] is None else int(facts["last_step"]),
+            "skipped_steps": int(facts["skipped_steps"]),
+            "ranks": sorted(int(r) for r in facts["ranks"] or [] if r is not None),
+            "tensors": int(facts["tensors"]),
+            "kinds": {str(k["kind"]): int(k["n"]) for k in kinds if k["n"]},
+            "rows": int(facts["rows"])}
+
+
+def _counted_in_frame(run: Run) -> dict:
+    """``info``'s counts from every row loaded (a run the engine cannot read)."""
+    df = run.frame
+    steps = df[df["kind"] == "step"]
+    return {"steps": int(steps["step"].nunique()),
+            "first_step": int(steps["step"].min()) if len(steps) else None,
+            "last_step": int(steps["step"].max()) if len(steps) else None,
+            "skipped_steps": int(steps.drop_duplicates(["step", "rank"])["skipped"].sum()),
+            "ranks": sorted(int(r) for r in df["rank"].unique()),
+            "tensors": int(df.loc[(df["kind"] != "step") & (df["name"] != ""), "name"].nunique()),
+            "kinds": {str(k): int(v) for k, v in df["kind"].value_counts().items() if v},
+            "rows": int(len(df))}

@@ -1,14 +1,16 @@
 """Following a run while another process writes it (``ampdoctor watch``): the data side.
 
-A :class:`RunFollower` polls the run directory. Each poll reads the footers (:func:`read_run`,
-no data) and then only the step and parameter-check rows of the segments it has not seen; a
+A :class:`RunFollower` polls the run directory. Each poll lists it, reads the footers of the
+files new or changed since the last poll (:func:`read_run`'s ``footers``; no data) and then only
+the step and parameter-check rows of the segments it has not seen; a
 segment is whole once visible (the writer renames it into place), so nothing is read half
 written. The first run found is followed by its run id from then on, so that a second run
 started at the same path is not mixed in. The run has *ended* when every writer seen has written
 its final segment (:attr:`Run.ended_cleanly`); a writer that has not closed its first segment
 yet cannot be seen.
 
-Memory: the distinct steps seen (a set of ints) and the anomalous ones. No torch.
+Memory: the distinct steps seen (a set of ints), the anomalous ones and the footers read (a few
+hundred bytes a segment). No torch.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class RunFollower:
         self._ranks: set[int] = set()
         self._latest: tuple[int, float, float | None] | None = None  # (step, scale, loss)
         self._warned: set[str] = set()
+        self._footers: dict = {}  # the segments' footers read so far (read_run's ``footers``)
         self.found = False   # a run has been read at least once
         self.ended = False
 
@@ -93,7 +96,7 @@ class RunFollower:
         if not self._visible():
             return None
         try:
-            run = read_run(self.path, self.run_id)
+            run = read_run(self.path, self.run_id, footers=self._footers)
         except RunError:
             if self._visible():  # still there: not a run (another tool's Parquet, a newer schema)
                 raise
