@@ -34,8 +34,8 @@ from ampdoctor.read.run import read_run
 from ampdoctor.run_file.hist_column import _lists as hist_lists
 from ampdoctor.record.options import DEFAULT_EVERY, DEFAULT_MODULE_EVERY
 from ampdoctor.run_file.fine_bins import FINE_SHIFT
-from ampdoctor.run_file.schema import (FINE_BINS, GEMM_KINDS, HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION, META_SEGMENT,
-                                       META_VERSION, META_WRITER, SCHEMA_VERSION, run_schema)
+from ampdoctor.run_file.schema import (FINE_BINS, GEMM_KINDS, HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION,
+                                       META_SEGMENT, META_VERSION, META_WRITER, SCHEMA_VERSION, run_schema)
 
 PARAMS = 99            # parameter rows per step and rank (+1 step row: 100 rows per step and rank)
 STEPS_PER_SEGMENT = 500
@@ -197,7 +197,8 @@ def _gemm_rows(rng, scale, skipped, start, stop, rank, measure_every) -> pa.Tabl
         "kind": pa.DictionaryArray.from_arrays(pa.array(kind_idx, pa.int32()), pa.array(kinds)).cast(dict_type),
         "name": pa.DictionaryArray.from_arrays(pa.array(layer, pa.int32()), pa.array(names)).cast(dict_type),
         "order": pa.array(np.where(kind_idx == 2, GEMM_LAYERS - layer, 0), pa.int32(), mask=kind_idx != 2),
-        "dtype": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["bfloat16"])).cast(dict_type),
+        "dtype": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["bfloat16"])
+                                                ).cast(dict_type),
         "numel": pa.array(numel, pa.int64()),
         "scale": pa.array(np.repeat(scale[start:stop], per_step), pa.float32()),
         "skipped": pa.array(np.repeat(skipped[start:stop], per_step)),
@@ -236,7 +237,8 @@ from ampdoctor.cli import main
 try:
     main()
 finally:
-    sys.stderr.write("\\n" + json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}) + "\\n")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    sys.stderr.write("\\n" + json.dumps({"peak_rss_mib": peak}) + "\\n")
 """
 
 

@@ -202,7 +202,8 @@ def test_grouping_the_batches_changes_no_bit_of_the_scan(ranks_run):
     assert all(sum(b.num_rows for b in g) >= 300 for g in groups[:-1]) and len(groups) > 2
     flat = [b.num_rows for g in groups for b in g]
     assert flat == [b.num_rows for b in ranks_run.batches(["step", "kind"], batch_rows=64)]
-    scans = [scan_layers(ranks_run, FLOAT16, min_exp=-56, bins=64, batch_rows=64, group_rows=g) for g in (1, 500, 10**6)]
+    scans = [scan_layers(ranks_run, FLOAT16, min_exp=-56, bins=64, batch_rows=64, group_rows=g)
+             for g in (1, 500, 10**6)]
     for other in scans[1:]:
         assert other.layers.equals(scans[0].layers)
         assert other.param_lost.equals(scans[0].param_lost)
@@ -257,3 +258,24 @@ def test_a_segment_damaged_in_a_list_column_is_skipped_by_every_command(nan_run,
         assert text.count(warning) == 1, (command, text[-500:])
         if command == "info":
             assert json.loads(text)["rows"] == json.loads(want.output)["rows"]
+
+
+def test_light_rows_before_their_first_sample_count_as_the_scan_counts_them(nan_run, tmp_path):
+    """A run whose first segment is gone (its sampled step with it): light rows wait for the
+    next sample. The narrow reading finds them and counts what the scan leaves unanswered."""
+    import shutil
+
+    from ampdoctor.analysis import event_context as context_module
+    from ampdoctor.analysis.run_analysis import analyse
+    from ampdoctor.read.engine import Session
+
+    cut = tmp_path / "cut"
+    shutil.copytree(nan_run, cut)
+    sorted(cut.glob("part-*.parquet"))[0].unlink()
+    run = read_run(cut)
+    with Session(run, lists=True) as session:
+        firsts = session.query("SELECT min(step) FILTER (WHERE n_zero IS NULL) AS light, "
+                               "min(step) FILTER (WHERE n_zero IS NOT NULL) AS full FROM rows "
+                               "WHERE kind = 'param_grad'").to_pylist()[0]
+        assert firsts["light"] < firsts["full"]  # (the case: light rows before the first sample)
+        assert context_module._unanswered_light_rows(session) == analyse(read_run(cut)).scan.unanswered_light_rows

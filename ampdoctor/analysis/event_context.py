@@ -24,7 +24,7 @@ from ..read.engine import EngineCannot, Session
 from ..read.run import Run
 from ..run_file.hist_column import BadHistogram, as_hist_column
 from ..run_file.schema import META_LEVEL, MODULE_KINDS
-from ..run_file.segment import COLUMN_TYPES
+from ..run_file.segment import COLUMN_TYPES, as_column_type
 from .calibration import MAX_PENDING_ROWS
 from .findings import Finding
 from .layer_scan import LAYER_KINDS, STEP_COLUMNS
@@ -88,7 +88,8 @@ def param_rows(session: Session) -> pa.Table:
     """The parameter checks' rows (kind ``param``), in the run's order and the schema's types."""
     columns = ("step", "rank", "name", "amax", "numel")
     table = session.query(f"SELECT {', '.join(columns)} FROM rows WHERE kind = 'param' ORDER BY segment, segment_row")
-    return pa.Table.from_arrays([table.column(c).cast(COLUMN_TYPES[c]) for c in columns], names=list(columns))
+    return pa.Table.from_arrays([as_column_type(table.column(c), COLUMN_TYPES[c]) for c in columns],
+                                names=list(columns))
 
 
 def _step_rows(session: Session, bins: int) -> pa.Table:
@@ -98,7 +99,7 @@ def _step_rows(session: Session, bins: int) -> pa.Table:
     table = session.query(f"SELECT {names} FROM rows WHERE kind = 'step' ORDER BY segment, segment_row")
     schema = pa.schema([(c, COLUMN_TYPES[c]) for c in STEP_COLUMNS])
     columns = [as_hist_column(table.column(c), bins) if c in ("hist", "underflow_hist")
-               else table.column(c).cast(COLUMN_TYPES[c]) for c in STEP_COLUMNS]
+               else as_column_type(table.column(c), COLUMN_TYPES[c]) for c in STEP_COLUMNS]
     return pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -143,7 +144,7 @@ def _unanswered_light_rows(session: Session) -> int | None:
                            "first_sample": pa.array([k["first_sample"] for k in early], pa.int64())})
         waiting += session.query(f"""
             SELECT count(*) AS n FROM rows r JOIN early_firsts f ON r.name = f.name AND r.rank = f.rank
-            WHERE r.kind = 'param_grad' AND r.n_zero IS NULL AND NOT {_NONFINITE.replace("n_", "r.n_").replace("(amax", "(r.amax")}
-              AND {_POSITION.replace("segment", "r.segment")} < f.first_sample""", tables={"early_firsts": firsts}
+            WHERE r.kind = 'param_grad' AND n_zero IS NULL AND NOT {_NONFINITE} AND {_POSITION} < f.first_sample""",
+                                 tables={"early_firsts": firsts}
         ).column("n")[0].as_py()
     return None if waiting >= MAX_PENDING_ROWS else int(never)

@@ -102,7 +102,8 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     width = max(1, math.ceil(span / HEATMAP_BUCKETS))
     columns = math.ceil(span / width)
     acc = _Accumulator(span, columns, bins=bins, min_exp=min_exp)
-    for batch in run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows, present="n_underflow"):
+    measured = run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows, present="n_underflow")
+    for batch in measured:
         acc.add_measured(batch, amp)
     step_rows = []
     read = LAYER_COLUMNS + [c for c in STEP_COLUMNS if c not in LAYER_COLUMNS]

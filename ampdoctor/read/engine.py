@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 import pyarrow as pa
 
 from ..errors import one_line
-from ..run_file.segment import COLUMN_TYPES
+from ..run_file.segment import COLUMN_TYPES, as_column_type
 
 # The run schema's scalar columns (docs/run-file.md): what ``rows`` holds.
 COLUMNS = ("step", "rank", "kind", "name", "order", "dtype", "numel", "scale", "skipped", "loss", "amax", "amin",
@@ -121,7 +121,8 @@ class Session:
             yield from reader(rows)
         except duckdb.Error as exc:
             self._skip_unreadable()
-            raise EngineCannot(one_line(f"the query engine failed part way through a streamed answer ({exc})")) from None
+            raise EngineCannot(one_line(f"the query engine failed part way through a streamed answer ({exc})")
+                               ) from None
 
     def _skip_unreadable(self) -> bool:
         """Read each segment with pyarrow; those that fail are marked unreadable in the run, with
@@ -220,4 +221,5 @@ def steps_rows(run, columns: Sequence[str], steps: Sequence[int], kinds: Sequenc
                            f"ORDER BY segment, segment_row", lists=any(c in LISTS for c in columns))
     except EngineCannot:
         return run.table(list(columns), kinds=kinds, steps=list(steps))
-    return pa.Table.from_arrays([table.column(c).cast(COLUMN_TYPES[c]) for c in columns], names=list(columns))
+    return pa.Table.from_arrays([as_column_type(table.column(c), COLUMN_TYPES[c]) for c in columns],
+                                names=list(columns))

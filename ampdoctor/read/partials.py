@@ -51,7 +51,8 @@ SELECT segment, step,
        MIN_BY(scale, rank) AS first_rank_scale,
        BOOL_OR(skipped) AS skipped,
        CAST(SUM(CASE WHEN loss IS NOT NULL THEN 1 ELSE 0 END) AS BIGINT) AS losses,
-       CAST(SUM(CASE WHEN loss IS NOT NULL AND NOT {_FINITE.format(x="loss")} THEN 1 ELSE 0 END) AS BIGINT) AS nonfinite_losses,
+       CAST(SUM(CASE WHEN loss IS NOT NULL AND NOT {_FINITE.format(x="loss")} THEN 1 ELSE 0 END) AS BIGINT)
+           AS nonfinite_losses,
        CAST(SUM(numel) AS BIGINT) AS numel,
        CAST(SUM(n_zero) AS BIGINT) AS n_zero,
        MAX(CASE WHEN {_FINITE.format(x="amax")} THEN amax END) AS amax

@@ -30,7 +30,8 @@ from ..run_file.schema import (META_AMP_DTYPE, META_DEVICE, META_DROPPED_STEPS, 
                                META_TORCH_VERSION, META_UNWRITTEN_AT_EXIT, META_VERSION, META_WORLD_SIZE, META_WRITER,
                                SCALER_META, SCHEMA_VERSION, meta_number)
 from ..run_file.names import is_temporary_name, runs_oldest_first, segment_files, started_at
-from ..run_file.segment import COLUMN_TYPES, BadSegment, ForeignParquet, Segment, read_failure, read_segment
+from ..run_file.segment import (COLUMN_TYPES, BadSegment, ForeignParquet, Segment, as_column_type, read_failure,
+                                read_segment)
 
 
 _WARNINGS = threading.Lock()  # held only to check and append one warning
@@ -494,22 +495,11 @@ def _with_columns(data, columns: Sequence[str], hist_bins: int):
             return as_hist_column(data.column(name), hist_bins)
         if name not in COLUMN_TYPES:  # another tool's extra column, as it is
             return data.column(name)
-        return _as_type(data.column(name), COLUMN_TYPES[name])
+        return as_column_type(data.column(name), COLUMN_TYPES[name])
 
     arrays = [column(c) for c in columns]
     cls = pa.RecordBatch if isinstance(data, pa.RecordBatch) else pa.Table
     return cls.from_arrays(arrays, names=list(columns))
-
-
-def _as_type(column, expected: pa.DataType):
-    """A plain string column where the schema has a dictionary one (a segment written by another
-    writer): dictionary-encode it, so that segments concatenate."""
-    if column.type == expected:
-        return column
-    if pa.types.is_dictionary(expected):
-        plain = column.cast(pa.string()) if not pa.types.is_dictionary(column.type) else column
-        return pc.dictionary_encode(plain) if not pa.types.is_dictionary(plain.type) else plain.cast(expected)
-    return column.cast(expected)  # a large string or list variant (accepted by the segment's schema check)
 
 
 def empty_table(columns: Sequence[str] | None = None) -> pa.Table:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..errors import RunError
@@ -309,3 +310,15 @@ def _step_span(footer: pq.FileMetaData, schema: pa.Schema) -> tuple[int, int] | 
         lo = stats.min if lo is None else min(lo, stats.min)
         hi = stats.max if hi is None else max(hi, stats.max)
     return None if lo is None else (int(lo), int(hi))
+
+
+def as_column_type(column, expected: pa.DataType):
+    """``column`` in the run schema's type ``expected``: a plain string column where the schema has
+    a dictionary one (a segment written by another writer, or a query engine's answer) is
+    dictionary-encoded (pyarrow 14 casts no string to a dictionary), so that tables concatenate."""
+    if column.type == expected:
+        return column
+    if pa.types.is_dictionary(expected):
+        plain = column.cast(pa.string()) if not pa.types.is_dictionary(column.type) else column
+        return pc.dictionary_encode(plain) if not pa.types.is_dictionary(plain.type) else plain.cast(expected)
+    return column.cast(expected)  # a large string or list variant (accepted by the segment's schema check)
