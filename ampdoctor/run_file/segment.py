@@ -166,15 +166,15 @@ def _schema_problem(schema: pa.Schema) -> str | None:
     missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
     if missing:
         return f"no {', '.join(missing)} column"
-    for field in schema:
-        expected = COLUMN_TYPES.get(field.name)
+    for column in schema:
+        expected = COLUMN_TYPES.get(column.name)
         if expected is None:
             continue
-        ok = _same_kind(field.type, expected)
-        if field.name == "hist":
-            ok = is_hist_type(field.type)
+        ok = _same_kind(column.type, expected)
+        if column.name == "hist":
+            ok = is_hist_type(column.type)
         if not ok:
-            return f"column {field.name} is {field.type}, not {expected}"
+            return f"column {column.name} is {column.type}, not {expected}"
     return None
 
 
