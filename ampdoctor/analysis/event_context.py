@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..float_formats import FloatFormat, FLOAT16
-from ..read.engine import EngineCannot, Session
+from ..read.engine import FINITE, NONFINITE, EngineCannot, Session
 from ..read.run import Run
 from ..run_file.hist_column import BadHistogram, as_hist_column
 from ..run_file.schema import META_LEVEL, MODULE_KINDS
@@ -30,13 +30,6 @@ from .findings import Finding
 from .layer_scan import LAYER_KINDS, STEP_COLUMNS
 from .run_analysis import with_valid_scale, recorded_binning
 from .steps import load_steps
-
-# A row's place in the run's order (segment, then row), as one number for the engine's arg_min.
-_POSITION = "segment::BIGINT * 4294967296 + segment_row"
-# The layer scan's verdict on a row (layer_scan._Accumulator.add): non-finite when its counts say
-# so (full rows) or its peak is not a number (light rows); a light row has no counts.
-_NONFINITE = "(coalesce(n_nan + n_inf > 0, false) OR (n_zero IS NULL AND NOT coalesce(isfinite(amax), false)))"
-
 
 @dataclass
 class EventContext:
@@ -87,7 +80,7 @@ def event_context(run: Run) -> EventContext | None:
 def param_rows(session: Session) -> pa.Table:
     """The parameter checks' rows (kind ``param``), in the run's order and the schema's types."""
     columns = ("step", "rank", "name", "amax", "numel")
-    table = session.query(f"SELECT {', '.join(columns)} FROM rows WHERE kind = 'param' ORDER BY segment, segment_row")
+    table = session.query(f"SELECT {', '.join(columns)} FROM rows WHERE kind = 'param' ORDER BY position")
     return pa.Table.from_arrays([as_column_type(table.column(c), COLUMN_TYPES[c]) for c in columns],
                                 names=list(columns))
 
@@ -96,7 +89,7 @@ def _step_rows(session: Session, bins: int) -> pa.Table:
     """Every step row, in the run's order and the run schema's types (as the layer scan keeps
     them); the histograms checked to hold ``bins`` counts each."""
     names = ", ".join(f'"{c}"' for c in STEP_COLUMNS)
-    table = session.query(f"SELECT {names} FROM rows WHERE kind = 'step' ORDER BY segment, segment_row")
+    table = session.query(f"SELECT {names} FROM rows WHERE kind = 'step' ORDER BY position")
     schema = pa.schema([(c, COLUMN_TYPES[c]) for c in STEP_COLUMNS])
     columns = [as_hist_column(table.column(c), bins) if c in ("hist", "underflow_hist")
                else as_column_type(table.column(c), COLUMN_TYPES[c]) for c in STEP_COLUMNS]
@@ -105,7 +98,7 @@ def _step_rows(session: Session, bins: int) -> pa.Table:
 
 def _activation_peak(session: Session) -> pd.DataFrame:
     """Per module with output rows: its largest finite activation over the run (NaN: none)."""
-    table = session.query(f"SELECT name, max(amax) FILTER (WHERE isfinite(amax) AND NOT {_NONFINITE}) AS amax "
+    table = session.query(f"SELECT name, max(amax) FILTER (WHERE {FINITE.format(x='amax')} AND NOT {NONFINITE}) AS amax "
                        f"FROM rows WHERE kind = 'output' GROUP BY name")
     amax = table.column("amax").to_numpy(zero_copy_only=False).astype(np.float64)
     return pd.DataFrame({"amax": amax}, index=table.column("name").to_pylist())
@@ -130,10 +123,10 @@ def _unanswered_light_rows(session: Session) -> int | None:
     waiting for their tensor's first sample than it holds)."""
     keys = session.query(f"""
         SELECT name, rank,
-               min({_POSITION}) FILTER (WHERE n_zero IS NOT NULL) AS first_sample,
-               min({_POSITION}) FILTER (WHERE n_zero IS NULL) AS first_light,
+               min(position) FILTER (WHERE n_zero IS NOT NULL) AS first_sample,
+               min(position) FILTER (WHERE n_zero IS NULL) AS first_light,
                count(*) FILTER (WHERE n_zero IS NULL) AS light
-        FROM rows WHERE kind = 'param_grad' AND NOT {_NONFINITE} GROUP BY name, rank""").to_pylist()
+        FROM rows WHERE kind = 'param_grad' AND NOT {NONFINITE} GROUP BY name, rank""").to_pylist()
     never = sum(k["light"] for k in keys if k["first_sample"] is None)
     # Light rows before their tensor's first sample wait for it (in the scan's order); usually none.
     early = [k for k in keys if k["first_sample"] is not None and k["first_light"] is not None
@@ -144,7 +137,7 @@ def _unanswered_light_rows(session: Session) -> int | None:
                            "first_sample": pa.array([k["first_sample"] for k in early], pa.int64())})
         waiting += session.query(f"""
             SELECT count(*) AS n FROM rows r JOIN early_firsts f ON r.name = f.name AND r.rank = f.rank
-            WHERE r.kind = 'param_grad' AND n_zero IS NULL AND NOT {_NONFINITE} AND {_POSITION} < f.first_sample""",
+            WHERE r.kind = 'param_grad' AND n_zero IS NULL AND NOT {NONFINITE} AND position < f.first_sample""",
                                  tables={"early_firsts": firsts}
         ).column("n")[0].as_py()
     return None if waiting >= MAX_PENDING_ROWS else int(never)

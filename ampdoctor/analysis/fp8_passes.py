@@ -136,7 +136,7 @@ def run_passes(run) -> Passes | None:
                CASE WHEN bool_or(amax IS NULL OR isnan(amax)) THEN CAST('NaN' AS DOUBLE)
                     ELSE max(amax)::DOUBLE END AS amax,
                coalesce(min(call) FILTER (WHERE call >= 0), -1) AS call,
-               min(segment::BIGINT * 4294967296 + segment_row) AS position
+               min(position) AS position
         FROM rows WHERE kind IN ({kinds}) GROUP BY kind, name, step, pass_call"""
     # The sampled rows' histograms, streamed and summed per pass here (integer sums: exact in any
     # order); a long run's are gigabytes together, a pass's sum is 16 KiB.

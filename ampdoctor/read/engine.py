@@ -8,10 +8,10 @@ streaming numpy pass of the layer scan (:mod:`ampdoctor.analysis.layer_scan`) st
 arithmetic must be exactly the analyses' own.
 
 The table ``rows`` holds every row of the run's segments (``Run.segments``: one run id, readable
-here) less those a later process superseded (``Segment.until``), with two more columns:
-``segment`` (the segment's index in ``Run.segments``) and ``segment_row`` (the row's index in its
-file), so that ``ORDER BY segment, segment_row`` is the order ``Run.table`` reads. Columns a
-segment lacks (an older schema version) are NULL. The scalar columns of the run schema are in it
+here) less those a later process superseded (``Segment.until``), with three more columns:
+``segment`` (the segment's index in ``Run.segments``), ``segment_row`` (the row's index in its
+file) and ``position`` (both as one number), so that ``ORDER BY position`` is the order
+``Run.table`` reads. Columns a segment lacks (an older schema version) are NULL. The scalar columns of the run schema are in it
 (:data:`COLUMNS`), and with ``lists=True`` the histograms and the call graph's lists (:data:`LISTS`)
 where every segment has schema version 2's types (version 1's fixed-size histograms stay with
 pyarrow's reader: :class:`NoLists`).
@@ -35,6 +35,13 @@ from ..run_file.segment import COLUMN_TYPES, as_column_type
 COLUMNS = ("step", "rank", "kind", "name", "order", "dtype", "numel", "scale", "skipped", "loss", "amax", "amin",
            "l2", "n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines", "n_underflow", "call", "parent")
 LISTS = ("hist", "underflow_hist", "inputs", "computed_inputs", "fine_hist")  # with ``lists=True``
+# A row's verdicts, in SQL every engine runs (partials.py reuses them): finite means between
+# ±3.5e38 (float32's largest is 3.40e38; NaN is outside on DuckDB, Spark and Trino alike); a row
+# is non-finite as the layer scan judges it: its counts say so (a null count says nothing), or a
+# light row's peak is not a number.
+FINITE = "({x} < 3.5e38 AND {x} > -3.5e38)"
+NONFINITE = ("(COALESCE(n_nan + n_inf > 0, false) OR (n_zero IS NULL AND NOT COALESCE("
+             + FINITE.format(x="amax") + ", false)))")
 MEMORY_LIMIT = "512MB"  # the engine's own buffers (Arrow results come on top): docs/benchmarks.md
 _SQL_TYPES = {"step": "BIGINT", "rank": "INTEGER", "kind": "VARCHAR", "name": "VARCHAR", "order": "INTEGER",
               "dtype": "VARCHAR", "numel": "BIGINT", "scale": "FLOAT", "skipped": "BOOLEAN", "loss": "FLOAT",
@@ -169,7 +176,7 @@ def _register(connection, run, lists: bool) -> None:
     if not segments:
         columns = ", ".join(f"NULL::{_SQL_TYPES[c]} AS {_quoted(c)}" for c in names)
         connection.execute(f"CREATE OR REPLACE VIEW rows AS SELECT {columns}, NULL::INTEGER AS segment, "
-                           f"NULL::BIGINT AS segment_row WHERE false")
+                           f"NULL::BIGINT AS segment_row, NULL::BIGINT AS position WHERE false")
         return
     index = {id(s): i for i, s in enumerate(run.segments)}
     files = pa.table({"filename": [str(s.path) for s in segments],
@@ -184,7 +191,8 @@ def _register(connection, run, lists: bool) -> None:
                         else f"NULL::{_SQL_TYPES[c]} AS {_quoted(c)}" for c in names)
     listing = "[" + ", ".join(_literal(str(s.path)) for s in segments) + "]"
     connection.execute(
-        f"CREATE OR REPLACE VIEW rows AS SELECT {columns}, f.segment AS segment, p.file_row_number AS segment_row "
+        f"CREATE OR REPLACE VIEW rows AS SELECT {columns}, f.segment AS segment, p.file_row_number AS segment_row, "
+        f"f.segment::BIGINT * 4294967296 + p.file_row_number AS position "
         f"FROM read_parquet({listing}, union_by_name = {union}, filename = true, file_row_number = true) p "
         f"JOIN segment_files f ON p.filename = f.filename WHERE f.until IS NULL OR p.step < f.until")
 
@@ -218,7 +226,7 @@ def steps_rows(run, columns: Sequence[str], steps: Sequence[int], kinds: Sequenc
     of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
     try:
         table = query(run, f"SELECT {names} FROM rows WHERE step IN ({wanted}){of_kinds} "
-                           f"ORDER BY segment, segment_row", lists=any(c in LISTS for c in columns))
+                           f"ORDER BY position", lists=any(c in LISTS for c in columns))
     except EngineCannot:
         return run.table(list(columns), kinds=kinds, steps=list(steps))
     return pa.Table.from_arrays([as_column_type(table.column(c), COLUMN_TYPES[c]) for c in columns],

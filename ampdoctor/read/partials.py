@@ -37,13 +37,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from .engine import Session, arrow_of
-
-_FINITE = "({x} < 3.5e38 AND {x} > -3.5e38)"  # float32 max is 3.40e38: inf and NaN are not in it
-# As the layer scan judges a row: its counts say so (a null count says nothing), or a light row's
-# peak is not a number.
-_NONFINITE = ("(COALESCE(n_nan + n_inf > 0, false) OR (n_zero IS NULL AND NOT COALESCE("
-              + _FINITE.format(x="amax") + ", false)))")
+from .engine import FINITE, NONFINITE, Session, arrow_of
 
 STEP_PARTIALS = f"""
 SELECT segment, step,
@@ -51,11 +45,11 @@ SELECT segment, step,
        MIN_BY(scale, rank) AS first_rank_scale,
        BOOL_OR(skipped) AS skipped,
        CAST(SUM(CASE WHEN loss IS NOT NULL THEN 1 ELSE 0 END) AS BIGINT) AS losses,
-       CAST(SUM(CASE WHEN loss IS NOT NULL AND NOT {_FINITE.format(x="loss")} THEN 1 ELSE 0 END) AS BIGINT)
+       CAST(SUM(CASE WHEN loss IS NOT NULL AND NOT {FINITE.format(x="loss")} THEN 1 ELSE 0 END) AS BIGINT)
            AS nonfinite_losses,
        CAST(SUM(numel) AS BIGINT) AS numel,
        CAST(SUM(n_zero) AS BIGINT) AS n_zero,
-       MAX(CASE WHEN {_FINITE.format(x="amax")} THEN amax END) AS amax
+       MAX(CASE WHEN {FINITE.format(x="amax")} THEN amax END) AS amax
 FROM run_rows
 WHERE kind = 'step' AND scale >= 0 AND scale < 3.5e38
 GROUP BY segment, step
@@ -67,9 +61,9 @@ SELECT segment, name, kind,
        CAST(SUM(CASE WHEN n_zero IS NOT NULL THEN numel ELSE 0 END) AS BIGINT) AS observed_numel,
        CAST(SUM(n_zero) AS BIGINT) AS n_zero,
        CAST(SUM(n_subnormal) AS BIGINT) AS n_subnormal,
-       CAST(SUM(CASE WHEN {_NONFINITE} THEN 1 ELSE 0 END) AS BIGINT) AS nonfinite,
-       MAX(CASE WHEN NOT {_NONFINITE} AND {_FINITE.format(x="amax")} THEN amax END) AS amax,
-       MIN(CASE WHEN {_FINITE.format(x="amin")} THEN amin END) AS amin
+       CAST(SUM(CASE WHEN {NONFINITE} THEN 1 ELSE 0 END) AS BIGINT) AS nonfinite,
+       MAX(CASE WHEN NOT {NONFINITE} AND {FINITE.format(x="amax")} THEN amax END) AS amax,
+       MIN(CASE WHEN {FINITE.format(x="amin")} THEN amin END) AS amin
 FROM run_rows
 WHERE kind IN ('param_grad', 'grad_output', 'output')
 GROUP BY segment, name, kind

@@ -552,14 +552,14 @@ def _counted(session) -> dict:
     touched = [f'max("{c}")' for c in COLUMNS] + ([f"max(list_sum({c}))" for c in LISTS] if session.lists else [])
     session.query(f"SELECT {', '.join(touched)} FROM rows")
     # Each kind's rows, most first; of equal counts the kind met first in the run's order.
-    kinds = session.query("SELECT kind, count(*) AS n, min(segment::BIGINT * 4294967296 + segment_row) AS first "
+    kinds = session.query("SELECT kind, count(*) AS n, min(position) AS first "
                           "FROM rows GROUP BY kind").to_pylist()
     kinds.sort(key=lambda k: (-k["n"], k["first"]))
     facts = session.query("""
-        WITH step_rows AS (SELECT step, rank, skipped, segment, segment_row FROM rows WHERE kind = 'step'),
+        WITH step_rows AS (SELECT step, rank, skipped, position FROM rows WHERE kind = 'step'),
              -- each (step, rank)'s first row in the run's order, null included (1: skipped)
-             firsts AS (SELECT arg_min(CASE WHEN skipped IS NULL THEN 2 WHEN skipped THEN 1 ELSE 0 END,
-                                       segment::BIGINT * 4294967296 + segment_row) AS skipped
+             firsts AS (SELECT arg_min(CASE WHEN skipped IS NULL THEN 2 WHEN skipped THEN 1 ELSE 0 END, position)
+                               AS skipped
                         FROM step_rows GROUP BY step, rank)
         SELECT (SELECT count(DISTINCT step) FROM step_rows) AS steps,
                (SELECT min(step) FROM step_rows) AS first_step,
