@@ -130,9 +130,9 @@ def run_passes(run) -> Passes | None:
     kinds = ", ".join(f"'{k}'" for k in GEMM_KINDS)
     # A pass: a (kind, layer, step, call) over the ranks (a weight: one per step). Its amax is NaN
     # if a rank's was NaN or missing, else the largest (np.maximum's reduction in gemm_passes).
+    pass_call = f"CASE WHEN kind = '{WEIGHT}' THEN -1 ELSE coalesce(call, -1) END AS pass_call"
     passes_sql = f"""
-        SELECT kind, name, step,
-               CASE WHEN kind = '{WEIGHT}' THEN -1 ELSE coalesce(call, -1) END AS pass_call,
+        SELECT kind, name, step, {pass_call},
                CASE WHEN bool_or(amax IS NULL OR isnan(amax)) THEN CAST('NaN' AS DOUBLE)
                     ELSE max(amax)::DOUBLE END AS amax,
                coalesce(min(call) FILTER (WHERE call >= 0), -1) AS call,
@@ -141,8 +141,7 @@ def run_passes(run) -> Passes | None:
     # The sampled rows' histograms, streamed and summed per pass here (integer sums: exact in any
     # order); a long run's are gigabytes together, a pass's sum is 16 KiB.
     hists_sql = f"""
-        SELECT kind, name, step, CASE WHEN kind = '{WEIGHT}' THEN -1 ELSE coalesce(call, -1) END AS pass_call,
-               fine_hist
+        SELECT kind, name, step, {pass_call}, fine_hist
         FROM rows WHERE kind IN ({kinds}) AND len(fine_hist) = {FINE_BINS}"""
     with Session(run, lists=True) as session:
         found = session.query(passes_sql)
@@ -174,11 +173,14 @@ def run_passes(run) -> Passes | None:
     call = found.column("call").to_numpy().astype(np.int64)[order]
     kinds_of = np.asarray(found.column("kind").to_pylist(), dtype=object)[order]
     names_of = name[order]
-    sampled = np.array([i for i in range(len(order)) if (kinds_of[i], names_of[i], int(step[i]), int(pass_call[i]))
-                        in sums], dtype=np.int64)
+    # The passes with histograms, matched to their sums by key (in pass order).
+    keys = list(sums)
+    found_at = (pd.MultiIndex.from_tuples(keys, names=("kind", "name", "step", "call")).get_indexer(
+        pd.MultiIndex.from_arrays([kinds_of, names_of, step, pass_call])) if keys else np.full(len(order), -1))
+    sampled = np.flatnonzero(found_at >= 0).astype(np.int64)
     summed = np.empty(len(sampled), dtype=object)
-    for j, i in enumerate(sampled):
-        summed[j] = sums[(kinds_of[i], names_of[i], int(step[i]), int(pass_call[i]))]
+    for j, k in enumerate(found_at[sampled]):
+        summed[j] = sums[keys[k]]
     seq_first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
     starts = np.r_[seq_first, len(seq)].astype(np.int64)
     step_first = np.flatnonzero(np.r_[True, (seq[1:] != seq[:-1]) | (step[1:] != step[:-1])])
