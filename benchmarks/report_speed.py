@@ -34,8 +34,12 @@ from ampdoctor.read.run import read_run
 from ampdoctor.run_file.hist_column import _lists as hist_lists
 from ampdoctor.record.options import DEFAULT_EVERY, DEFAULT_MODULE_EVERY
 from ampdoctor.run_file.fine_bins import FINE_SHIFT
-from ampdoctor.run_file.schema import (FINE_BINS, GEMM_KINDS, HIST_BINS, HIST_MIN_EXP, META_FINAL, META_SCHEMA_VERSION,
-                                       META_SEGMENT, META_VERSION, META_WRITER, SCHEMA_VERSION, run_schema)
+from ampdoctor.run_file.schema import (FINE_BINS, GEMM_KINDS, HIST_BINS, HIST_MIN_EXP, META_AMP_DTYPE,
+                                       META_BACKOFF_FACTOR, META_DEVICE, META_FINAL, META_GROWTH_FACTOR,
+                                       META_GROWTH_INTERVAL, META_HIST_BINS, META_HIST_MIN_EXP, META_INIT_SCALE,
+                                       META_LEVEL, META_RANK, META_RUN_ID, META_RUN_STARTED, META_SCALER_CLASS,
+                                       META_SCALER_ENABLED, META_SCHEMA_VERSION, META_SEGMENT, META_TORCH_VERSION,
+                                       META_VERSION, META_WORLD_SIZE, META_WRITER, SCHEMA_VERSION, run_schema)
 
 PARAMS = 99            # parameter rows per step and rank (+1 step row: 100 rows per step and rank)
 STEPS_PER_SEGMENT = 500
@@ -85,14 +89,15 @@ def write_synthetic_run(path: Path, rows: int, ranks: int, seed: int = 0, versio
             if gemm:
                 table = pa.concat_tables([table, _gemm_rows(rng, scale, skipped, start, stop, rank, measure_every)]
                                          ).sort_by("step")  # (stable: each step's rows in the recorder's order)
-            meta = {META_SCHEMA_VERSION: str(version), META_VERSION: __version__, "torch.version": "bench",
-                    "scaler.class": "torch.amp.GradScaler", "scaler.enabled": "true", "scaler.init_scale": "65536.0",
-                    "scaler.growth_factor": "2.0", "scaler.backoff_factor": "0.5", "scaler.growth_interval": "2000",
-                    "amp.dtype": "float16", "device": "cuda", "world_size": str(ranks),
-                    "level": "full" if gemm else "params",
-                    "hist.min_exp": str(HIST_MIN_EXP), "hist.bins": str(HIST_BINS), "run.id": "bench",
-                    "run.started": "", META_WRITER: writer, META_SEGMENT: str(seg),
-                    META_FINAL: "true" if stop == steps else "false", "rank": str(rank)}
+            # (the keys the recorder writes: run_file.schema's, level included)
+            meta = {META_SCHEMA_VERSION: str(version), META_VERSION: __version__, META_TORCH_VERSION: "bench",
+                    META_SCALER_CLASS: "torch.amp.GradScaler", META_SCALER_ENABLED: "true",
+                    META_INIT_SCALE: "65536.0", META_GROWTH_FACTOR: "2.0", META_BACKOFF_FACTOR: "0.5",
+                    META_GROWTH_INTERVAL: "2000", META_AMP_DTYPE: "float16", META_DEVICE: "cuda",
+                    META_WORLD_SIZE: str(ranks), META_LEVEL: "full" if gemm else "params",
+                    META_HIST_MIN_EXP: str(HIST_MIN_EXP), META_HIST_BINS: str(HIST_BINS), META_RUN_ID: "bench",
+                    META_RUN_STARTED: "", META_WRITER: writer, META_SEGMENT: str(seg),
+                    META_FINAL: "true" if stop == steps else "false", META_RANK: str(rank)}
             table = table.replace_schema_metadata(meta)
             pq.write_table(table, path / f"part-r{rank:05d}-{writer}-{seg:06d}.parquet", compression="zstd")
     return steps

@@ -282,3 +282,98 @@ def test_light_rows_of_a_parameter_never_sampled_are_counted_nowhere_and_said_so
     report = report_data(read_run(tmp_path / "run.parquet"))
     said = [w for w in report["warnings"] if getattr(w, "code", None) == "light_rows_without_sample"]
     assert [w.values for w in said] == [{"rows": 6}], report["warnings"]  # 3 steps, weight and bias
+
+
+# The numpy ways of the calibration's look-ups, against plain references on random data.
+
+def _brute_as_of(t_key, t_step, key, step, backward):
+    out = []
+    for k, s in zip(key, step):
+        rows = [i for i in range(len(t_key)) if t_key[i] == k and (t_step[i] <= s if backward else t_step[i] >= s)]
+        best = (max if backward else min)(rows, key=lambda i: t_step[i]) if rows else -1
+        out.append(best)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_as_of_finds_the_latest_or_the_next_row_of_the_key(seed):
+    from ampdoctor.analysis.calibration import _as_of
+
+    rng = np.random.default_rng(seed)
+    pairs = {(int(k), int(s)) for k, s in zip(rng.integers(0, 6, 40), rng.integers(-5, 30, 40))}
+    t_key, t_step = (np.array(v, dtype=np.int64) for v in zip(*sorted(pairs, key=lambda _: rng.random())))
+    if seed % 2:  # (a key too large for one code: the other way)
+        t_key = t_key + (1 << 60)
+    key = np.concatenate([rng.choice(t_key, 30), [-1, 7, int(t_key.max()) + 1]]).astype(np.int64)
+    step = rng.integers(-10, 40, len(key)).astype(np.int64)
+    for backward in (True, False):
+        got = _as_of({"key": t_key, "step": t_step}, key, step, backward)
+        np.testing.assert_array_equal(got, _brute_as_of(t_key, t_step, key, step, backward))
+
+
+def test_nearest_is_merge_asof_backward_then_forward():
+    import pandas as pd
+
+    rng = np.random.default_rng(3)
+    m = Measurements(bins=4)
+    key = rng.integers(0, 5, 60)
+    m.add(key, rng.integers(0, 50, 60), rng.integers(0, 10, 60).astype(float), rng.integers(0, 5, 60).astype(float),
+          np.full(60, 20.0), hist=rng.integers(0, 3, (60, 4)).astype(float), l2=rng.random(60))
+    q_key, q_step = rng.integers(0, 7, 80), rng.integers(-5, 60, 80)
+    found = m.nearest(q_key, q_step)
+    points = m.points
+    rows = pd.DataFrame({"key": q_key, "step": q_step, "_i": np.arange(80)}).sort_values("step", kind="stable")
+    table = points[["key", "step", "share"]].rename(columns={"step": "at"})
+    table["step"] = table["at"]
+    share, distance = np.full(80, np.nan), np.full(80, np.nan)
+    for direction in ("backward", "forward"):
+        got = pd.merge_asof(rows, table, on="step", by="key", direction=direction)
+        i = got["_i"].to_numpy()
+        fill = np.isnan(share[i]) & got["share"].notna().to_numpy()
+        share[i[fill]] = got["share"].to_numpy()[fill]
+        distance[i[fill]] = np.abs(got["step"].to_numpy() - got["at"].to_numpy())[fill]
+    np.testing.assert_array_equal(found.share, share)
+    np.testing.assert_array_equal(found.distance, distance)
+    assert np.isnan(found.share).any() and (~np.isnan(found.share)).any()
+
+
+def test_tails_group_as_pandas_does():
+    import pandas as pd
+
+    rng = np.random.default_rng(5)
+    step = rng.integers(0, 4, 50)
+    amax = np.where(rng.random(50) < 0.1, 0.0, 2.0 ** rng.uniform(-20, 0, 50))
+    hist = rng.integers(0, 4, (50, 6)).astype(float)
+    cut = np.where(rng.random(50) < 0.3, np.nan, rng.uniform(-30, -20, 50))
+    tails = Tails(6, -40)
+    tails.add(step, hist, amax, cut)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        floor = np.nan_to_num(np.floor(np.log2(np.where(amax > 0, amax, np.nan))), nan=-(1 << 30)).astype(np.int64)
+    frame = pd.DataFrame({"step": step, "floor": floor, "_i": np.arange(50)})
+    want = {(int(t), int(f)): hist[rows.to_numpy()].sum(axis=0) for (t, f), rows in frame.groupby(["step", "floor"])["_i"]}
+    assert list(tails._hists) == list(want)
+    for k in want:
+        np.testing.assert_array_equal(tails._hists[k], want[k])
+    assert tails._top == {int(t): float(a) for t, a in pd.Series(amax).groupby(step).max().items()}
+    firsts = pd.Series(cut).groupby(step).first()
+    assert list(tails._cut) == list(firsts.index)
+    np.testing.assert_array_equal(list(tails._cut.values()), firsts.to_numpy())
+
+
+def test_samples_merged_and_deduplicated_as_the_references_do():
+    from ampdoctor.analysis.calibration import _dedup_last, _merged_samples
+
+    rng = np.random.default_rng(9)
+    key, step = rng.integers(0, 4, 30).astype(np.int64), rng.integers(0, 5, 30).astype(np.int64)
+    table = {"key": key, "step": step, "v": np.arange(30)}
+    pair = np.stack([key, step], axis=1)[::-1]
+    _, first_reversed = np.unique(pair, axis=0, return_index=True)
+    np.testing.assert_array_equal(_dedup_last(table)["v"], np.sort(29 - first_reversed))
+    once = {"key": np.arange(5, dtype=np.int64), "step": np.zeros(5, dtype=np.int64), "v": np.arange(5)}
+    assert _dedup_last(once) is once
+    values = {c: rng.random(30) for c in ("cut", "lost", "n_zero", "undecided", "l2sq", "numel")}
+    merged, sums = _merged_samples(key, step, values, rng.random((30, 5)), 4)
+    assert len(merged["key"]) == len({(int(k), int(s)) for k, s in zip(key, step)}) < 30
+    merged, _ = _merged_samples(np.arange(5, dtype=np.int64), np.zeros(5, dtype=np.int64),
+                                {c: v[:5] for c, v in values.items()}, rng.random((5, 5)), 4)
+    np.testing.assert_array_equal(merged["lost"], values["lost"][:5])

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .underflow import UnderflowModel
+from .underflow import UnderflowModel, cumulative_below
 
 RANK_BITS = 20  # key = layer id << RANK_BITS | rank
 DRIFT_RANGE = 3.0  # between samples, the small values may drift up to this many times the norm's drift
@@ -71,6 +71,7 @@ class Measurements:
         self._hists: list[tuple[np.ndarray, np.ndarray]] = []
         self._rows = 0
         self._points: pd.DataFrame | None = None
+        self._table: tuple | None = None  # (points, its columns as arrays) for nearest()
         self._hist: np.ndarray = np.zeros((1, bins), dtype=np.float32)  # per (key, step) that lost: summed; row 0 zeros
 
     def add(self, key: np.ndarray, step: np.ndarray, n_zero: np.ndarray, n_underflow: np.ndarray,
@@ -151,26 +152,28 @@ class Measurements:
         points = self.points
         if not n or not len(points):
             return out
-        rows = pd.DataFrame({"key": np.asarray(key, dtype=np.int64), "step": np.asarray(step, dtype=np.int64),
-                             "_i": np.arange(n)}).sort_values("step", kind="stable")
-        found = points[["key", "step", "share", "scattered_share", "lost_share", "no_hist", "l2sq", "numel", "_h"]].rename(
-            columns={"step": "at"})
-        found["step"] = found["at"]
-        for direction in ("backward", "forward"):
-            got = pd.merge_asof(rows, found, on="step", by="key", direction=direction)
-            i = got["_i"].to_numpy()
-            fill = np.isnan(out.share[i]) & got["share"].notna().to_numpy()
-            i, got = i[fill], got[fill]
-            out.share[i] = got["share"].to_numpy()
-            out.scattered[i] = got["scattered_share"].to_numpy(dtype=np.float64)
-            out.lost[i] = got["lost_share"].to_numpy(dtype=np.float64)
-            out.distance[i] = np.abs(got["step"].to_numpy() - got["at"].to_numpy())
-            with_hist = got["no_hist"].to_numpy() == 0
-            # Per element: a module called twice in a step, or with several outputs, has as many
-            # rows (summed here) as the estimated step has, each compared on its own.
-            numel = np.maximum(got["numel"].to_numpy(dtype=np.float64), 1.0)
-            out.rms[i] = np.where(with_hist, np.sqrt(got["l2sq"].to_numpy(dtype=np.float64) / numel), np.nan)
-            out.hist[i] = self._hist[got["_h"].to_numpy(dtype=np.int64)] / numel[:, None].astype(np.float32)
+        if self._table is None or self._table[0] is not points:
+            self._table = (points, {c: points[c].to_numpy() for c in ("key", "step", "share", "scattered_share",
+                                                                       "lost_share", "no_hist", "l2sq", "numel", "_h")})
+        table = self._table[1]
+        key, step = np.asarray(key, dtype=np.int64), np.asarray(step, dtype=np.int64)
+        # The latest measurement of the key at or before the step, else the first after it (as
+        # pandas' merge_asof by key, backward then forward): one row per (key, step) in ``points``.
+        found = _as_of(table, key, step, backward=True)
+        ahead = np.flatnonzero(found < 0)
+        found[ahead] = _as_of(table, key[ahead], step[ahead], backward=False)
+        i = np.flatnonzero(found >= 0)
+        got = {c: v[found[i]] for c, v in table.items()}
+        out.share[i] = got["share"]
+        out.scattered[i] = got["scattered_share"].astype(np.float64)
+        out.lost[i] = got["lost_share"].astype(np.float64)
+        out.distance[i] = np.abs(step[i] - got["step"])
+        with_hist = got["no_hist"] == 0
+        # Per element: a module called twice in a step, or with several outputs, has as many
+        # rows (summed here) as the estimated step has, each compared on its own.
+        numel = np.maximum(got["numel"].astype(np.float64), 1.0)
+        out.rms[i] = np.where(with_hist, np.sqrt(got["l2sq"].astype(np.float64) / numel), np.nan)
+        out.hist[i] = self._hist[got["_h"].astype(np.int64)] / numel[:, None].astype(np.float32)
         return out
 
 
@@ -271,14 +274,29 @@ class Tails:
         with np.errstate(divide="ignore", invalid="ignore"):
             floor = np.floor(np.log2(np.where(amax > 0, amax, np.nan)))
         floor = np.nan_to_num(floor, nan=-(1 << 30)).astype(np.int64)
-        frame = pd.DataFrame({"step": np.asarray(step, dtype=np.int64), "floor": floor, "_i": np.arange(len(step))})
-        for (t, f), rows in frame.groupby(["step", "floor"])["_i"]:
-            key = (int(t), int(f))
-            self._hists[key] = self._hists.get(key, 0.0) + hist[rows.to_numpy()].sum(axis=0)
-        for t, a in pd.Series(np.nan_to_num(amax, nan=0.0)).groupby(frame["step"]).max().items():
-            self._top[int(t)] = max(self._top.get(int(t), 0.0), float(a))
-        for t, c in pd.Series(cut_log2).groupby(frame["step"]).first().items():
-            self._cut.setdefault(int(t), float(c))
+        step = np.asarray(step, dtype=np.int64)
+        if not len(step):
+            return
+        # (grouped by step, then floor, rows in their order within each: as pandas' groupby)
+        order = np.lexsort((floor, step))
+        s, f = step[order], floor[order]
+        starts = np.flatnonzero(np.concatenate([[True], (s[1:] != s[:-1]) | (f[1:] != f[:-1])]))
+        sums = np.add.reduceat(np.asarray(hist, dtype=np.float64)[order], starts, axis=0)
+        for i, at in enumerate(starts):
+            key = (int(s[at]), int(f[at]))
+            self._hists[key] = self._hists.get(key, 0.0) + sums[i]
+        # (per step, rows in their order: the first cut-off that is a number, as pandas' first)
+        order = np.argsort(step, kind="stable")
+        s = step[order]
+        by_step = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
+        top = np.maximum.reduceat(np.nan_to_num(np.asarray(amax, dtype=np.float64), nan=0.0)[order], by_step)
+        cut = np.asarray(cut_log2, dtype=np.float64)[order]
+        for i, at in enumerate(by_step):
+            t = int(s[at])
+            self._top[t] = max(self._top.get(t, 0.0), float(top[i]))
+            end = by_step[i + 1] if i + 1 < len(by_step) else len(s)
+            known = cut[at:end][~np.isnan(cut[at:end])]
+            self._cut.setdefault(t, float(known[0]) if len(known) else float("nan"))
 
     def maybe_noise(self, step: np.ndarray, hist: np.ndarray) -> np.ndarray:
         """Per measured parameter-gradient row (its step, its ``underflow_hist``): the lost
@@ -323,7 +341,8 @@ class Samples:
     def __init__(self, bins: int, min_exp: int) -> None:
         self.bins, self.min_exp = bins, min_exp
         self._last: dict | None = None               # one row per key: its latest sample before this batch
-        self._cumsum = np.zeros((0, bins + 1))       # row i: the histogram cumsum of sample i
+        self._buffer = np.zeros((64, bins + 1))      # row i: the histogram cumsum of sample i ...
+        self._rows = 0                               # ... of the first _rows (grown by doubling)
         self._batch: dict | None = None              # the samples of the batch being read
         self._first: dict | None = None              # one row per key: its first sample (for rows before it)
         self._pending: list[dict] = []
@@ -342,8 +361,15 @@ class Samples:
         merged, sums = _merged_samples(np.asarray(key, dtype=np.int64), np.asarray(step, dtype=np.int64),
                                        {"cut": cut, "lost": lost, "n_zero": n_zero, "undecided": undecided,
                                         "l2sq": np.square(l2), "numel": numel}, cumsum, self.bins)
-        merged["_c"] = np.arange(len(merged["key"])) + len(self._cumsum)
-        self._cumsum = np.concatenate([self._cumsum, sums])
+        merged["_c"] = np.arange(len(merged["key"])) + self._rows
+        # (what the sample's recorded magnitudes hold below its cut-off: per sample, not per row)
+        merged["below_cut"] = cumulative_below(sums, merged["cut"] + 1.0, self.min_exp)
+        if self._rows + len(sums) > len(self._buffer):
+            grown = np.zeros((max(2 * len(self._buffer), self._rows + len(sums)), self.bins + 1))
+            grown[:self._rows] = self._buffer[:self._rows]
+            self._buffer = grown
+        self._buffer[self._rows:self._rows + len(sums)] = sums
+        self._rows += len(sums)
         self._batch = merged
         first = _per_key(merged, last=False)
         self._first = first if self._first is None else _per_key(_concat([self._first, first]), last=False)
@@ -352,13 +378,18 @@ class Samples:
     def _compact(self) -> None:
         """Keep only the cumsums the latest samples (and this batch's) point at."""
         tables = [t for t in (self._last, self._batch, self._first) if t is not None]
-        if len(self._cumsum) > 4 * max(64, sum(len(t["key"]) for t in tables)):
+        if self._rows > 4 * max(64, sum(len(t["key"]) for t in tables)):
             keep = np.unique(np.concatenate([t["_c"] for t in tables]))
-            remap = np.full(len(self._cumsum), -1)
+            remap = np.full(self._rows, -1)
             remap[keep] = np.arange(len(keep))
-            self._cumsum = self._cumsum[keep]
+            self._buffer = np.concatenate([self._cumsum[keep], np.zeros((len(keep), self.bins + 1))])
+            self._rows = len(keep)
             self._last, self._batch, self._first = (
                 None if t is None else {**t, "_c": remap[t["_c"]]} for t in (self._last, self._batch, self._first))
+
+    @property
+    def _cumsum(self) -> np.ndarray:
+        return self._buffer[:self._rows]
 
     def carry(self, key, step, l2, numel, cut) -> tuple[np.ndarray, ...]:
         """Light rows (one per key and step; ``cut``: log2 of each one's cut-off): (step, lost,
@@ -403,7 +434,7 @@ class Samples:
         drift = np.where(np.isfinite(drift), drift, 0.0)  # a zero or non-finite norm: no drift to read
         lost_s = got["lost"].astype(float)
         model = UnderflowModel(None, got["cut"].astype(float), lost_s, self.min_exp, cumsum=self._cumsum,
-                               cumsum_rows=got["_c"].astype(np.int64))
+                               cumsum_rows=got["_c"].astype(np.int64), below_cut=got["below_cut"])
         zeros_s = got["n_zero"].astype(float)
         structure = np.maximum(zeros_s - lost_s - got["undecided"].astype(float), 0.0)
         # No more lost than the sample's elements that are not structure.
@@ -461,11 +492,14 @@ def _per_key(table: dict, last: bool) -> dict:
 
 def _dedup_last(table: dict) -> dict:
     """The table less rows whose (key, step) a later row repeats (the later one stands)."""
-    pair = np.stack([table["key"], table["step"]], axis=1)[::-1]
-    _, first_reversed = np.unique(pair, axis=0, return_index=True)
-    if len(first_reversed) == len(table["key"]):
+    n = len(table["key"])
+    order = np.lexsort((np.arange(n), table["step"], table["key"]))  # by key, step, then row
+    key, step = table["key"][order], table["step"][order]
+    last = np.ones(n, dtype=bool)  # the last row of each (key, step)
+    last[:-1] = (key[1:] != key[:-1]) | (step[1:] != step[:-1])
+    if last.all():
         return table
-    return _take(table, np.sort(len(table["key"]) - 1 - first_reversed))
+    return _take(table, np.sort(order[last]))
 
 
 def _as_of(table: dict, key: np.ndarray, step: np.ndarray, backward: bool) -> np.ndarray:
@@ -473,6 +507,27 @@ def _as_of(table: dict, key: np.ndarray, step: np.ndarray, backward: bool) -> np
     step at or before it (``backward``), or the smallest at or after it; -1 where none."""
     out = np.full(len(key), -1, dtype=np.int64)
     if not len(key) or not len(table["key"]):
+        return out
+    t_key, t_step = table["key"], table["step"]
+    base = int(t_step.min())
+    span = int(t_step.max()) - base + 2
+    if t_key.min() >= 0 and int(t_key.max()) < (1 << 62) // span:
+        q = np.flatnonzero((key >= 0) & (key <= t_key.max()))  # (no other key is in the table)
+        key, step = key[q], step[q]
+        # Keys and steps as one code (key x span + step offset; a query's offset clipped to
+        # [-1, span - 1], which no row's reaches): one sort, one search.
+        code = t_key * span + (t_step - base)
+        order = np.argsort(code, kind="stable")
+        code = code[order]
+        query = key * span + np.clip(step - base, -1, span - 1)
+        if backward:
+            pos = np.searchsorted(code, query, side="right") - 1
+            ok = pos >= 0
+        else:
+            pos = np.searchsorted(code, query, side="left")
+            ok = pos < len(code)
+        ok[ok] = t_key[order[pos[ok]]] == key[ok]
+        out[q[ok]] = order[pos[ok]]
         return out
     known = np.unique(table["key"])
     dense_t = np.searchsorted(known, table["key"])
@@ -506,11 +561,11 @@ def _merged_samples(key: np.ndarray, step: np.ndarray, values: dict, cumsum: np.
     """The rows of each (key, step) summed (``cut``: the first non-missing), in the order the pairs
     first appear; and their cumsums summed. As pandas' ``groupby(sort=False)`` sums (its
     compensated sums, NaN as nothing): a pair of one row is that row; others go through pandas."""
-    pair = np.stack([key, step], axis=1)
-    count = np.unique(pair, axis=0, return_counts=True)[1]
+    order = np.lexsort((step, key))
+    repeated = ((key[order][1:] == key[order][:-1]) & (step[order][1:] == step[order][:-1])).any()
     finite = all(np.isfinite(np.asarray(v, dtype=np.float64)[~np.isnan(np.asarray(v, dtype=np.float64))]).all()
                  for v in values.values())
-    if (count == 1).all() and finite:  # (then the pairs appear in the rows' order)
+    if not repeated and finite:  # (then the pairs appear in the rows' order)
         merged = {"key": key, "step": step, "cut": np.asarray(values["cut"], dtype=np.float64)}
         for c in ("lost", "n_zero", "undecided", "l2sq", "numel"):
             v = np.asarray(values[c], dtype=np.float64)

@@ -23,6 +23,7 @@ on its way into a LayerNorm) in the AMP format.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ import pyarrow.compute as pc
 
 from ..float_formats import FloatFormat, float_format
 from ..run_file.hist_column import hist_matrix
+from ..read import engine
 from ..read.run import Run, empty_table, kind_mask, one_batch
 from .calibration import Measurements, Samples, Tails, calibrated, calibrated_low, keys, lost_below, still_lost
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
@@ -102,23 +104,31 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     width = max(1, math.ceil(span / HEATMAP_BUCKETS))
     columns = math.ceil(span / width)
     acc = _Accumulator(span, columns, bins=bins, min_exp=min_exp)
-    measured = run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows, present="n_underflow")
-    for batch in measured:
-        acc.add_measured(batch, amp)
+    _measured_pass(acc, run, amp, batch_rows)
     step_rows = []
     read = LAYER_COLUMNS + [c for c in STEP_COLUMNS if c not in LAYER_COLUMNS]
-    for group in run.batch_groups(read, batch_rows=batch_rows, group_rows=group_rows):
-        batch = one_batch(group)
-        is_step = kind_mask(batch.column("kind"), ["step"])
-        steps = batch.filter(is_step)
-        if steps.num_rows:
-            step_rows.append(steps.select(STEP_COLUMNS))
-        layer = kind_mask(batch.column("kind"), list(LAYER_KINDS))
-        rows = batch.filter(layer)
-        if rows.num_rows:
-            # (each read batch's rows among them: the sums per layer add up batch by batch)
-            ends = np.cumsum(layer.to_numpy(zero_copy_only=False))[np.cumsum([b.num_rows for b in group]) - 1]
-            acc.add(rows.select(LAYER_COLUMNS), amp, min_exp, bins, first_step, width, ends=ends)
+    acc.measurements.points  # (computed once, before the threads read it)
+    # Two stages on two threads, each in the groups' order: while one group's light rows are
+    # carried from their samples, the next is prepared (the stages share no state: _Accumulator).
+    with ThreadPoolExecutor(1, thread_name_prefix="ampdoctor-scan") as carrier:
+        carried = None
+        for group in run.batch_groups(read, batch_rows=batch_rows, group_rows=group_rows):
+            batch = one_batch(group)
+            is_step = kind_mask(batch.column("kind"), ["step"])
+            steps = batch.filter(is_step)
+            if steps.num_rows:
+                step_rows.append(steps.select(STEP_COLUMNS))
+            layer = kind_mask(batch.column("kind"), list(LAYER_KINDS)).to_numpy(zero_copy_only=False)
+            if layer.any():
+                # (each read batch's rows among them: the sums per layer add up batch by batch)
+                ends = np.cumsum(layer)[np.cumsum([b.num_rows for b in group]) - 1]
+                prepared = acc.prepare(batch, amp, min_exp, bins, first_step, width, ends=ends,
+                                       rows=np.flatnonzero(layer))
+                if carried is not None:
+                    carried.result()  # (raises the carrier's error here)
+                carried = carrier.submit(acc.carry, prepared)
+        if carried is not None:
+            carried.result()
     scan = acc.result(first_step, width)
     scan.tails, scan.measurements, scan.measure_ids = acc.tails, acc.measurements, acc.measure_ids
     scan.unanswered_light_rows = acc.samples.unanswered
@@ -126,12 +136,63 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     return scan
 
 
-def _pair_ids(batch: pa.RecordBatch, ids: dict[tuple[str, str], int], new=None) -> np.ndarray:
-    """Per row, the id in ``ids`` of its (name, kind), from the small per-batch dictionaries (not
+_DENSE = ("step", "rank", "scale", "numel", "amax", "l2")  # what every layer row holds
+_SPARSE = ("amin", "n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines", "n_underflow")  # full rows' only
+
+
+def _full_only(batch: pa.RecordBatch, rows: np.ndarray, full: np.ndarray, at: np.ndarray) -> dict | None:
+    """The :data:`_SPARSE` columns of the full rows (``at`` among ``rows``), as the whole column's
+    numpy conversion would give them there (a column with nulls as float64); None where a light
+    row holds one of them (another writer's file: the caller reads them whole)."""
+    out = {}
+    taken = pa.array(rows[at])
+    for c in _SPARSE:
+        column = batch.column(c)
+        if column.null_count < len(column) and column.is_valid().to_numpy(zero_copy_only=False)[rows][~full].any():
+            return None
+        values = column.take(taken).to_numpy(zero_copy_only=False)
+        out[c] = values.astype(np.float64) if column.null_count and values.dtype.kind in "iub" else values
+    return out
+
+
+def _measured_pass(acc: "_Accumulator", run: Run, amp: FloatFormat, batch_rows: int) -> None:
+    """The first pass: the measured gradient rows (a few in a thousand at the default cadence),
+    found by the query engine on the one column, or, where it cannot read the run, by pyarrow
+    reading the segments that hold any (the same rows in the same order)."""
+    try:
+        for batch in engine.present_batches(run, _MEASURED_COLUMNS, "n_underflow", _GRADIENT_KINDS, batch_rows):
+            acc.add_measured(batch, amp)
+        return
+    except engine.EngineCannot:
+        acc.forget_measured()
+    for batch in run.batches(_MEASURED_COLUMNS, kinds=_GRADIENT_KINDS, batch_rows=batch_rows, present="n_underflow"):
+        acc.add_measured(batch, amp)
+
+
+def _pair_ids(batch: pa.RecordBatch, ids: dict[tuple[str, str], int], new=None,
+              rows: np.ndarray | None = None) -> np.ndarray:
+    """Per row (``rows``: of these, by index), the id in ``ids`` of its (name, kind), from the small per-batch dictionaries (not
     the strings); a pair not in ``ids`` gets ``new(pair, its first row)`` there, or -1 without
     ``new``."""
-    (names, name_idx), (kinds, kind_idx) = (_dictionary(batch.column(c)) for c in ("name", "kind"))
+    (names, name_idx), (kinds, kind_idx) = (_dictionary(batch.column(c), rows) for c in ("name", "kind"))
     pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
+    size = len(names) * len(kinds)
+    if not len(pair) or pair.min() < 0 or pair.max() >= size:  # (null codes: no pair to look up)
+        return _pair_ids_sorted(pair, names, kinds, ids, new)
+    # (the pairs present, by a table over the few codes: no sort of the rows; in code order, as
+    # np.unique gives them)
+    present = np.zeros(size, dtype=bool)
+    present[pair] = True
+    local = np.full(size, -1, dtype=np.int64)
+    for code in np.flatnonzero(present):
+        key = (names[code // len(kinds)], kinds[code % len(kinds)])
+        if key not in ids and new is not None:
+            ids[key] = new(key, int(np.argmax(pair == code)))
+        local[code] = ids.get(key, -1)
+    return local[pair]
+
+
+def _pair_ids_sorted(pair, names, kinds, ids, new) -> np.ndarray:
     unique, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
     local = np.empty(len(unique), dtype=np.int64)
     for i, code in enumerate(unique):
@@ -142,11 +203,12 @@ def _pair_ids(batch: pa.RecordBatch, ids: dict[tuple[str, str], int], new=None) 
     return local[inverse.ravel()]
 
 
-def _dictionary(column: pa.Array) -> tuple[list[str], np.ndarray]:
-    """A string column as (its distinct values, each row's index into them)."""
+def _dictionary(column: pa.Array, rows: np.ndarray | None = None) -> tuple[list[str], np.ndarray]:
+    """A string column as (its distinct values, each row's index into them; ``rows``: of these)."""
     if not isinstance(column, pa.DictionaryArray):
         column = column.dictionary_encode()
-    return [str(v) for v in column.dictionary.to_pylist()], column.indices.to_numpy(zero_copy_only=False)
+    index = column.indices.to_numpy(zero_copy_only=False)
+    return [str(v) for v in column.dictionary.to_pylist()], index if rows is None else index[rows]
 
 
 def scan_step_rows(rows: pa.RecordBatch, amp: FloatFormat, *, min_exp: int, bins: int, step: int) -> pd.DataFrame:
@@ -186,15 +248,16 @@ class _Accumulator:
         self.param_measured = np.zeros(span)      # ... and of those whose underflow was measured
         self.module_peak = np.full(span, -np.inf)
 
-    def _layer_ids(self, batch: pa.RecordBatch) -> np.ndarray:
-        """Global layer ids of the rows, from the small per-batch dictionaries (not the strings)."""
-        dtypes, dtype_idx = _dictionary(batch.column("dtype"))
+    def _layer_ids(self, batch: pa.RecordBatch, rows: np.ndarray | None = None) -> np.ndarray:
+        """Global layer ids of the rows (``rows``: of these), from the small per-batch dictionaries
+        (not the strings)."""
+        dtypes, dtype_idx = _dictionary(batch.column("dtype"), rows)
 
         def new(key: tuple[str, str], first_row: int) -> int:
             self.dtypes.append(dtypes[dtype_idx[first_row]])
             return len(self.ids)
 
-        ids = _pair_ids(batch, self.ids, new)
+        ids = _pair_ids(batch, self.ids, new, rows)
         self._grow(len(self.ids))
         return ids
 
@@ -211,6 +274,12 @@ class _Accumulator:
         self.output_peak = np.pad(self.output_peak, (0, pad), constant_values=-np.inf)
         self.high = np.pad(self.high, ((0, pad), (0, 0)), constant_values=-np.inf)
         self.low = np.pad(self.low, ((0, pad), (0, 0)), constant_values=np.inf)
+
+    def forget_measured(self) -> None:
+        """The first pass's state as new (its reading failed part way: read again)."""
+        self.measurements = Measurements(self.tails.bins)
+        self.measure_ids = {}
+        self.tails = Tails(self.tails.bins, self.tails.min_exp)
 
     def add_measured(self, batch: pa.RecordBatch, amp: FloatFormat) -> None:
         """The first pass: the measured gradient rows' zeros and underflow (their structure), and
@@ -239,20 +308,37 @@ class _Accumulator:
         return _pair_ids(batch, self.measure_ids, (lambda key, row: len(self.measure_ids)) if register else None)
 
     def add(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
-            width: int, ends: np.ndarray | None = None) -> None:
-        """Reduce ``batch``'s rows. ``ends``: where each batch as read ends among them (rows read
-        in a group): the float sums per layer add up read batch by read batch, so that they are
-        the same however the batches were grouped."""
-        layer = self._layer_ids(batch)
-        kinds, kind_idx = _dictionary(batch.column("kind"))
+            width: int, ends: np.ndarray | None = None, rows: np.ndarray | None = None) -> None:
+        """Reduce ``batch``'s rows (:meth:`prepare`, then :meth:`carry`)."""
+        self.carry(self.prepare(batch, amp, min_exp, bins, first_step, width, ends, rows))
+
+    def prepare(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
+                width: int, ends: np.ndarray | None = None, rows: np.ndarray | None = None) -> "_Carried":
+        """Reduce ``batch``'s rows (``rows``: those of them, by index; default all). ``ends``: where each batch as read ends among them (rows read
+        in a group): the float sums per layer and per step add up read batch by read batch, so that
+        they are the same however the batches were grouped.
+
+        Full rows (one in ``every`` at the default cadence) go through the histogram work; light
+        rows (peak and norm) only through what they count for: magnitudes, non-finite values and
+        the carry from their samples. A light row adds nothing to the float sums but integer
+        counts (exact in any order), so leaving it out of them changes no bit."""
+        rows = np.arange(batch.num_rows) if rows is None else rows
+        layer = self._layer_ids(batch, rows)
+        kinds, kind_idx = _dictionary(batch.column("kind"), rows)
         # (which rows are of a kind, from the dictionary's codes: no string per row)
         of_kind = {k: kind_idx == kinds.index(k) if k in kinds else np.zeros(len(kind_idx), dtype=bool)
                    for k in LAYER_KINDS}
-        dtypes, dtype_idx = _dictionary(batch.column("dtype"))
+        dtypes, dtype_idx = _dictionary(batch.column("dtype"), rows)
         formats = [_format_or_none(d) or amp for d in dtypes]
-        col = {c: batch.column(c).to_numpy(zero_copy_only=False) for c in
-               ("step", "rank", "scale", "numel", "amax", "amin", "l2", "n_zero", "n_subnormal", "n_nan",
-                "n_inf", "n_zero_lines", "n_underflow")}
+        col = {c: batch.column(c).to_numpy(zero_copy_only=False)[rows] for c in _DENSE}
+        # Light rows (counts null) carry the peak magnitude, non-finite when the tensor was: they
+        # count for magnitudes and non-finite values; the rates come from full rows only.
+        full = batch.column("n_zero").is_valid().to_numpy(zero_copy_only=False)[rows]
+        at = np.flatnonzero(full)
+        # The counts are read for the full rows alone where light rows hold none (as written).
+        sparse = _full_only(batch, rows, full, at)
+        if sparse is None:
+            col.update({c: batch.column(c).to_numpy(zero_copy_only=False)[rows] for c in _SPARSE})
         param = of_kind["param_grad"]
         output = of_kind["output"]
         # Each row is judged in the format its values lived in (see the module docstring).
@@ -261,27 +347,81 @@ class _Accumulator:
         scale = np.where(output, 1.0, col["scale"].astype(np.float64))
         scale = np.where(scale > 0, scale, np.nan)  # a collapsed scale of 0 judges nothing
         amax = col["amax"].astype(np.float64)
-        # Light rows (counts null) carry the peak magnitude, non-finite when the tensor was: they
-        # count for magnitudes and non-finite values; the rates come from full rows only.
-        full = ~np.isnan(col["n_zero"].astype(np.float64))
-        nonfinite = ((col["n_nan"] + col["n_inf"]) > 0) | (~full & ~np.isfinite(amax))
+        nonfinite = ~full & ~np.isfinite(amax)
+        if sparse is None:
+            nonfinite |= (col["n_nan"] + col["n_inf"]) > 0
+            full_col = {c: v[at] for c, v in col.items()}
+        else:
+            nonfinite[at] = (sparse["n_nan"] + sparse["n_inf"]) > 0
+            full_col = {**{c: v[at] for c, v in col.items()}, **sparse}
         usable = ~nonfinite & np.isfinite(amax)
-        wider = of_kind["grad_output"] & (below < amp.underflow_below)
-        # What the histograms decide is computed for the full rows alone (one in ``every`` at the
-        # default cadence); a light row has none: no estimate, no bound, no low magnitude.
-        at_full = np.flatnonzero(full)
-        hist = hist_matrix(batch.column("hist").take(pa.array(at_full)), bins)
-        cumsum = np.zeros((len(at_full), bins + 1))
-        estimate, upper, low = np.zeros(len(full)), np.zeros(len(full)), np.full(len(full), np.nan)
-        low_est = np.zeros(len(full))
-        distance = np.full(len(full), np.nan)
+        seen = usable & (amax > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            headroom = np.where(seen, np.log2(fmax / (amax * scale)), np.inf)
+            high = np.where(seen, np.log2(np.where(seen, amax, 1.0) * scale),
+                            np.where(usable & (amax == 0), _ALL_ZERO, -np.inf))
+        # A gradient that overflowed is drawn one binade above the format's max.
+        high = np.where(nonfinite, np.log2(fmax) + 1.0, high)
+        finite_amax = np.where(usable, amax, -np.inf)
+        np.maximum.at(self.amax, layer, finite_amax)
+        amin = full_col["amin"].astype(np.float64) if sparse is not None else col["amin"].astype(np.float64)
+        np.minimum.at(self.amin, layer[at] if sparse is not None else layer, np.where(np.isnan(amin), np.inf, amin))
+        np.minimum.at(self.headroom, layer, np.where(np.isnan(headroom), np.inf, headroom))
+        np.maximum.at(self.output_peak, layer[output], finite_amax[output])
+        offset = col["step"] - first_step
+        inside = (offset >= 0) & (offset < len(self.param_lost))
+        p = param & inside
+        # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
+        # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
+        in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
+        g = of_kind["grad_output"] & inside & in_amp
+        np.maximum.at(self.module_peak, offset[g], finite_amax[g])
+        column = np.clip(offset // width, 0, self.columns - 1)
+        cell = layer[p] * self.columns + column[p]  # (one flat index: ufunc.at's fast path)
+        np.maximum.at(self.high.reshape(-1), cell, np.where(np.isnan(high[p]), -np.inf, high[p]))
+        # The counts light rows add (integers: exact whatever the order).
+        light = np.flatnonzero(~full)
+        n = len(self.ids)
+        self.sums[_NONFINITE, :n] += np.bincount(layer[light], weights=nonfinite[light].astype(np.float64), minlength=n)
+        if sparse is None:
+            values = np.nan_to_num(col["n_subnormal"][light].astype(np.float64))
+            self.sums[_SUBNORMAL, :n] += np.bincount(layer[light], weights=values, minlength=n)
+        bounds = np.concatenate([[0], np.unique(ends if ends is not None else [len(layer)])])
+        f = self._add_full(batch, rows[at], layer[at], full_col, amp, min_exp, bins,
+                           param[at], output[at], of_kind["grad_output"][at], nonfinite[at], usable[at],
+                           amax[at], scale[at], below[at],
+                           first_step, width, np.searchsorted(at, bounds))
+        carry = np.flatnonzero(param & ~nonfinite & ~full)
+        # (a collapsed scale of 0 is computed with as float32's smallest positive, as steps.py does)
+        cut = np.log2(amp.underflow_below / np.maximum(np.nan_to_num(col["scale"][carry].astype(np.float64), nan=1.0),
+                                                       2.0**-149))
+        return _Carried(f, np.searchsorted(carry, bounds), keys(layer[carry], col["rank"][carry]), col["step"][carry],
+                        col["l2"][carry].astype(np.float64), col["numel"][carry].astype(np.float64), cut, first_step)
+
+    def carry(self, rows: "_Carried") -> None:
+        """The second half of :meth:`add` (what :meth:`prepare` left): per read batch (the per-step
+        sums' order), its full rows' sums, then its samples, then its light rows carried from their
+        samples (calibration.Samples). Touches only the per-step sums and the samples, none of
+        :meth:`prepare`'s state: the two may run on two threads, each in the batches' order."""
+        f = rows.full
+        for (fa, fb), (ca, cb) in zip(f.bounds(), _pairs(rows.bounds)):
+            f.add_steps(self, fa, fb)
+            self.samples.add_samples(*f.samples(fa, fb))
+            if cb > ca:
+                self._add_light(self.samples.carry(rows.key[ca:cb], rows.step[ca:cb], rows.l2[ca:cb],
+                                                   rows.numel[ca:cb], rows.cut[ca:cb]), rows.first_step)
+
+    def _add_full(self, batch, at, layer, col, amp, min_exp, bins, param, output, grad_output, nonfinite, usable,
+                  amax, scale, below, first_step, width, bounds) -> "_FullRows":
+        """The full rows' (``at``: their indices in ``batch``, in order; ``col`` and the masks theirs) histogram work: the
+        underflow estimates, calibrated by the measurements; their per-layer sums (read batch by
+        read batch: ``bounds`` among them), heatmap lows and measurement distances. Returns what
+        the per-step sums and the samples read of them."""
+        hist = hist_matrix(batch.column("hist").take(pa.array(at)), bins)
         n_underflow = col["n_underflow"].astype(np.float64)
-        measured = full & ~output & ~nonfinite & ~np.isnan(n_underflow)
+        measured = ~output & ~nonfinite & ~np.isnan(n_underflow)
         zeros = np.nan_to_num(col["n_zero"].astype(np.float64))
-        # A light output gradient wider than the AMP format reads as on its grid (no magnitudes
-        # below it): judged in the AMP format, as a full row with no such magnitudes is.
-        below = np.where(wider & ~full, amp.underflow_below, below)
-        f = at_full
+        wider = grad_output & (below < amp.underflow_below)
         with np.errstate(divide="ignore", invalid="ignore"):
             # A float32 output gradient whose nonzero values all sit on the AMP format's grid
             # (none below its smallest subnormal) was computed in the AMP format and cast up (the
@@ -289,39 +429,39 @@ class _Accumulator:
             # Otherwise such a gradient mixes paths (a residual's float32 one too): judged in its own
             # format, with every zero in the upper bound if it reaches the AMP subnormals in numbers.
             cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
-            amp_subnormal = cumulative_below(cumsum, np.log2(amp.smallest_normal / scale[f]), min_exp)
-            amp_grid = wider[f] & (cumulative_below(cumsum, np.log2(amp.smallest_subnormal / scale[f]), min_exp) == 0)
-            below[f] = np.where(amp_grid, amp.underflow_below, below[f])
-            subnormal = np.where(amp_grid, amp_subnormal, np.nan_to_num(col["n_subnormal"][f].astype(np.float64)))
+            amp_subnormal = cumulative_below(cumsum, np.log2(amp.smallest_normal / scale), min_exp)
+            amp_grid = wider & (cumulative_below(cumsum, np.log2(amp.smallest_subnormal / scale), min_exp) == 0)
+            below = np.where(amp_grid, amp.underflow_below, below)
+            subnormal = np.where(amp_grid, amp_subnormal, np.nan_to_num(col["n_subnormal"].astype(np.float64)))
             cut = np.log2(below / scale)
-            estimate[f], upper[f] = underflow_bounds(hist, zeros[f], subnormal, cut[f], min_exp,
-                                                     col["n_zero_lines"][f].astype(np.float64), pile_lines=param[f])
-            upper[f] = np.where(wider[f] & (amp_subnormal >= UPPER_SHARE * hist.sum(axis=1)) & (amp_subnormal > 0),
-                                np.maximum(upper[f], zeros[f]), upper[f])
+            estimate, upper = underflow_bounds(hist, zeros, subnormal, cut, min_exp,
+                                               col["n_zero_lines"].astype(np.float64), pile_lines=param)
+            upper = np.where(wider & (amp_subnormal >= UPPER_SHARE * hist.sum(axis=1)) & (amp_subnormal > 0),
+                             np.maximum(upper, zeros), upper)
             # Activations are not loss-scaled: no underflow estimate for output rows. A row whose
             # estimate is unknown (every element 0) counts only towards the upper bound.
             # A row that held a NaN or inf is not judged: its histogram lost the overflowed values.
             # Measured steps (underflow_probe.py): the count itself, estimate and bound alike.
             estimate, upper = with_measured(estimate, upper, n_underflow, measured)
             # Estimated rows of a measured tensor: its structure, measured, calibrates them.
-            key = keys(layer, col["rank"])
             distance = np.where(measured, 0.0, np.nan)
             low_est = np.array(estimate, dtype=np.float64)
             # A measured count's lower end leaves out what may be rounding noise: below the step's
             # largest peak x 2^-24 for a parameter gradient (calibration.Tails), below its own for
             # a module output gradient (calibration.lost_below).
-            noisy = measured & batch.column("underflow_hist").is_valid().to_numpy(zero_copy_only=False)
-            if noisy.any():
-                at = np.nonzero(noisy)[0]  # (only these rows' histograms: batches are mostly other rows)
-                lost_hist = hist_matrix(batch.column("underflow_hist").take(pa.array(at)), bins, np.float64)
-                of_param = param[at]
-                noise = np.where(of_param, 0.0, lost_below(lost_hist, amax[at], min_exp))
-                noise[of_param] = self.tails.maybe_noise(col["step"][at][of_param], lost_hist[of_param])
-                low_est[at] = np.maximum(low_est[at] - noise, 0.0)
-            rows = np.nonzero(full & ~output & ~nonfinite & ~measured)[0]
+            lost_column = batch.column("underflow_hist")
+            noisy = np.flatnonzero(measured & lost_column.is_valid().to_numpy(zero_copy_only=False)[at])
+            if len(noisy):
+                lost_hist = hist_matrix(lost_column.take(pa.array(at[noisy])), bins, np.float64)
+                of_param = param[noisy]
+                noise = np.where(of_param, 0.0, lost_below(lost_hist, amax[noisy], min_exp))
+                noise[of_param] = self.tails.maybe_noise(col["step"][noisy][of_param], lost_hist[of_param])
+                low_est[noisy] = np.maximum(low_est[noisy] - noise, 0.0)
+            rows = np.nonzero(~output & ~nonfinite & ~measured)[0]
             if len(rows) and self.measurements:
-                measured_key = keys(self._measure_ids(batch), col["rank"])
-                found = self.measurements.nearest(measured_key[rows], col["step"][rows])
+                names = batch.select(["name", "kind"]).take(pa.array(at[rows]))
+                measured_key = keys(self._measure_ids(names), col["rank"][rows])
+                found = self.measurements.nearest(measured_key, col["step"][rows])
                 distance[rows] = found.distance
                 heuristic, numel = estimate[rows], col["numel"][rows].astype(np.float64)
                 estimate[rows] = calibrated(zeros[rows], numel, found.share, heuristic, upper[rows],
@@ -332,79 +472,30 @@ class _Accumulator:
                 still = still_lost(found.hist * numel[:, None], min_exp, cut[rows], drift)
                 low_est[rows] = np.where(np.isnan(found.share), heuristic,
                                          calibrated_low(numel, estimate[rows], heuristic, found.lost, still))
-            judged = full & ~output & ~nonfinite & ~np.isnan(estimate)
+            judged = ~output & ~nonfinite & ~np.isnan(estimate)
             lost = np.where(judged, estimate, 0.0)
             lost_low = np.where(judged, np.fmin(low_est, estimate), 0.0)
-            upper = np.where(full & ~output & ~nonfinite, upper, 0.0)
-            headroom = np.where(usable & (amax > 0), np.log2(fmax / (amax * scale)), np.inf)
-            high = np.where(usable & (amax > 0), np.log2(np.where(usable & (amax > 0), amax, 1.0) * scale),
-                            np.where(usable & (amax == 0), _ALL_ZERO, -np.inf))
-            # A gradient that overflowed is drawn one binade above the format's max.
-            high = np.where(nonfinite, np.log2(fmax) + 1.0, high)
-            low[f] = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale[f])
-            low = np.where(full & usable & (amax == 0), -_ALL_ZERO, low)
-        finite_amax = np.where(usable, amax, -np.inf)
+            upper = np.where(~output & ~nonfinite, upper, 0.0)
+            low = _quantile_log2(hist, LOW_QUANTILE, min_exp) + np.log2(scale)
+            low = np.where(usable & (amax == 0), -_ALL_ZERO, low)
         n = len(self.ids)
-        bounds = np.concatenate([[0], np.unique(ends if ends is not None else [len(layer)])])
-        for i, values in enumerate((np.where(full, col["numel"], 0), col["n_zero"], col["n_subnormal"], lost,
-                                    full, nonfinite, upper, np.where(judged, col["numel"], 0),
-                                    np.where(measured, col["numel"], 0), lost_low)):
+        for i, values in ((_NUMEL, col["numel"]), (_ZERO, col["n_zero"]), (_SUBNORMAL, col["n_subnormal"]),
+                          (_LOST, lost), (_OBSERVED, np.ones(len(at))), (_NONFINITE, nonfinite), (_UPPER, upper),
+                          (_JUDGED, np.where(judged, col["numel"], 0)), (_MEASURED, np.where(measured, col["numel"], 0)),
+                          (_LOW, lost_low)):
             values = np.nan_to_num(np.asarray(values, dtype=np.float64))
-            for a, b in zip(bounds[:-1], bounds[1:]):
+            for a, b in _pairs(bounds):
                 self.sums[i, :n] += np.bincount(layer[a:b], weights=values[a:b], minlength=n)
-        np.maximum.at(self.amax, layer, finite_amax)
-        amin = col["amin"].astype(np.float64)
-        np.minimum.at(self.amin, layer, np.where(np.isnan(amin), np.inf, amin))
-        np.minimum.at(self.headroom, layer, np.where(np.isnan(headroom), np.inf, headroom))
         np.maximum.at(self.distance, layer[judged], np.nan_to_num(distance[judged], nan=-np.inf))
-        np.maximum.at(self.output_peak, layer[output], finite_amax[output])
         offset = col["step"] - first_step
-        inside = (offset >= 0) & (offset < len(self.param_lost))
-        p = param & inside
-        pf = p & full & ~nonfinite
-        # The per-step sums, read batch by read batch as the rows were read: a batch's full rows,
-        # then its light rows carried from their samples (the float sums' order, whatever the
-        # grouping of the batches).
-        full_before = np.concatenate([[0], np.cumsum(full)])
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            part = np.zeros(len(layer), dtype=bool)
-            part[a:b] = True
-            at = pf & part
-            np.add.at(self.param_lost, offset[at], lost[at])
-            np.add.at(self.param_lost_hi, offset[at], lost[at])
-            np.add.at(self.param_zero, offset[at], col["n_zero"][at])
-            np.add.at(self.param_undecided, offset[at], np.maximum(upper[at] - lost[at], 0.0))
-            self.param_seen[offset[at]] = True
-            np.add.at(self.param_judged, offset[at & judged], col["numel"][at & judged])
-            np.add.at(self.param_measured, offset[at & measured], col["numel"][at & measured])
-            rows = slice(a, b)
-            self._carry_to_light_steps(key[rows], {c: v[rows] for c, v in col.items()}, (param & ~nonfinite)[rows],
-                                       full[rows], cumsum[full_before[a]:full_before[b]], lost[rows], upper[rows],
-                                       first_step, below[rows])
-        # The overflow threshold learns from output gradients the loss scale multiplies in the AMP
-        # format itself: a float32 one (the loss's own gradient, a LayerNorm's) cannot overflow it.
-        in_amp = np.array([d == amp.name for d in dtypes])[dtype_idx]
-        g = of_kind["grad_output"] & inside & in_amp
-        np.maximum.at(self.module_peak, offset[g], finite_amax[g])
-        column = np.clip(offset // width, 0, self.columns - 1)
-        np.maximum.at(self.high, (layer[p], column[p]), np.where(np.isnan(high[p]), -np.inf, high[p]))
-        np.minimum.at(self.low, (layer[p], column[p]), np.where(np.isnan(low[p]), np.inf, low[p]))
-
-    def _carry_to_light_steps(self, key, col, param, full, cumsum, lost, upper, first_step, below) -> None:
-        """Parameter gradients of light steps (peak and norm only) take their latest sample's
-        figures, moved by the drift of their own norm (calibration.Samples). ``cumsum``: the
-        histograms' cumulative sums of the full rows alone, in row order."""
-        # (a collapsed scale of 0 is computed with as float32's smallest positive, as steps.py does)
-        cut = np.log2(below / np.maximum(np.nan_to_num(col["scale"].astype(np.float64), nan=1.0), 2.0**-149))
-        sample = param & full
-        self.samples.add_samples(key[sample], col["step"][sample], cumsum[param[full]], cut[sample],
-                                 lost[sample], np.nan_to_num(col["n_zero"][sample].astype(np.float64)),
-                                 np.maximum(upper[sample] - lost[sample], 0.0),
-                                 col["l2"][sample].astype(np.float64), col["numel"][sample].astype(np.float64))
-        light = param & ~full
-        if light.any():
-            self._add_light(self.samples.carry(key[light], col["step"][light], col["l2"][light].astype(np.float64),
-                                               col["numel"][light].astype(np.float64), cut[light]), first_step)
+        p = param & (offset >= 0) & (offset < len(self.param_lost))
+        cell = layer[p] * self.columns + np.clip(offset[p] // width, 0, self.columns - 1)
+        np.minimum.at(self.low.reshape(-1), cell, np.where(np.isnan(low[p]), np.inf, low[p]))
+        sample = param & ~nonfinite
+        return _FullRows(bounds, offset, p & ~nonfinite, judged, measured, lost, upper, col, sample,
+                         keys(layer, col["rank"]), cumsum,
+                         np.log2(amp.underflow_below / np.maximum(np.nan_to_num(col["scale"].astype(np.float64),
+                                                                               nan=1.0), 2.0**-149)))
 
     def _add_light(self, carried: tuple[np.ndarray, ...], first_step: int) -> None:
         step, lost, lost_hi, zeros, undecided = carried
@@ -459,6 +550,68 @@ class _Accumulator:
                 for i, (name, kind) in enumerate(keys) if kind == "param_grad"}
         return LayerScan(layers, param_lost, module_peak, activation_peak,
                          first_step + width * np.arange(self.columns), heat)
+
+
+def _pairs(bounds: np.ndarray):
+    """(start, end) of each consecutive part that ``bounds`` delimit."""
+    return zip(bounds[:-1], bounds[1:])
+
+
+@dataclass
+class _Carried:
+    """What :meth:`_Accumulator.carry` reads of one group: its full rows, and its light parameter
+    rows to carry (``bounds``: each read batch's among them)."""
+
+    full: "_FullRows"
+    bounds: np.ndarray
+    key: np.ndarray
+    step: np.ndarray
+    l2: np.ndarray
+    numel: np.ndarray
+    cut: np.ndarray
+    first_step: int
+
+
+@dataclass
+class _FullRows:
+    """What the per-step sums and the samples read of one group's full rows (in row order)."""
+
+    bounds_: np.ndarray       # each read batch's bounds among them
+    offset: np.ndarray        # step - the run's first step
+    stepped: np.ndarray       # parameter gradients within the step range, finite: the per-step sums'
+    judged: np.ndarray
+    measured: np.ndarray
+    lost: np.ndarray
+    upper: np.ndarray
+    col: dict
+    sample: np.ndarray        # finite parameter gradients: the samples light rows are carried from
+    key: np.ndarray
+    cumsum: np.ndarray
+    cut: np.ndarray           # log2 of the AMP format's cut-off at the recorded scale
+
+    def bounds(self):
+        return _pairs(self.bounds_)
+
+    def add_steps(self, acc: "_Accumulator", a: int, b: int) -> None:
+        """Rows ``a:b``' per-step sums (lost, zeros, undecided, judged and measured elements)."""
+        at = np.flatnonzero(self.stepped[a:b]) + a
+        offset, lost, numel = self.offset[at], self.lost[at], self.col["numel"]
+        np.add.at(acc.param_lost, offset, lost)
+        np.add.at(acc.param_lost_hi, offset, lost)
+        np.add.at(acc.param_zero, offset, self.col["n_zero"][at])
+        np.add.at(acc.param_undecided, offset, np.maximum(self.upper[at] - lost, 0.0))
+        acc.param_seen[offset] = True
+        judged, measured = at[self.judged[at]], at[self.measured[at]]
+        np.add.at(acc.param_judged, self.offset[judged], numel[judged])
+        np.add.at(acc.param_measured, self.offset[measured], numel[measured])
+
+    def samples(self, a: int, b: int) -> tuple:
+        """Rows ``a:b``' samples, as calibration.Samples.add_samples takes them."""
+        at = np.flatnonzero(self.sample[a:b]) + a
+        col, lost = self.col, self.lost[at]
+        return (self.key[at], col["step"][at], self.cumsum[at], self.cut[at], lost,
+                np.nan_to_num(col["n_zero"][at].astype(np.float64)), np.maximum(self.upper[at] - lost, 0.0),
+                col["l2"][at].astype(np.float64), col["numel"][at].astype(np.float64))
 
 
 def _step_range_from_data(run: Run) -> tuple[int, int]:

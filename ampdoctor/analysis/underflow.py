@@ -162,8 +162,9 @@ def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: in
     frac = np.clip(np.exp2(rel - j) - 1.0, 0.0, 1.0)
     frac = np.where(rel <= 0, 0.0, frac)
     if rows is not None:
-        at = rows if x.ndim == 1 else rows[:, None]
-        lo, hi = cumsum[at, j], cumsum[at, j + 1]
+        # (one flat gather: faster than a 2-d fancy index, the same elements)
+        flat = (rows if x.ndim == 1 else rows[:, None]) * cumsum.shape[1] + j
+        lo, hi = np.take(cumsum, flat), np.take(cumsum, flat + 1)
     elif x.ndim == 1:
         lo = np.take_along_axis(cumsum, j[:, None], axis=1)[:, 0]
         hi = np.take_along_axis(cumsum, j[:, None] + 1, axis=1)[:, 0]
@@ -191,7 +192,8 @@ class UnderflowModel:
     def __init__(self, hist: np.ndarray, cut_log2: np.ndarray, at_cut: np.ndarray, min_exp: int,
                  drift_log2: np.ndarray | None = None, tail: np.ndarray | None = None,
                  tail_cut_log2: np.ndarray | None = None, cumsum: np.ndarray | None = None,
-                 tail_noise: np.ndarray | None = None, cumsum_rows: np.ndarray | None = None) -> None:
+                 tail_noise: np.ndarray | None = None, cumsum_rows: np.ndarray | None = None,
+                 below_cut: np.ndarray | None = None) -> None:
         """``at_cut``: the elements lost at the recorded cut-off (the estimate of :func:`underflow_bounds`).
         ``drift_log2``: per observation, how many binades its magnitudes moved since the histogram
         was recorded (a step between samples whose gradient norm fell by 2^4: -4); a cut-off x then
@@ -203,7 +205,8 @@ class UnderflowModel:
         it underflowed upstream, and those come back as a flat density would (2^-k; zeros where
         nothing was measured: all of them so, ρ·x). ``cumsum``: the histograms' cumulative
         sums with a leading 0 (``hist`` None), where the caller has them; ``cumsum_rows``: each
-        observation's row of ``cumsum`` where observations share them (no tail then)."""
+        observation's row of ``cumsum`` where observations share them (no tail then);
+        ``below_cut``: what each one's row holds below 2^(cut + 1), where the caller has it."""
         self.drift_log2 = None if drift_log2 is None else np.asarray(drift_log2, dtype=np.float64)
         self.min_exp = min_exp
         self.cut_log2 = np.asarray(cut_log2, dtype=np.float64)
@@ -212,7 +215,8 @@ class UnderflowModel:
             hist = np.asarray(hist, dtype=np.float64)
             cumsum = np.concatenate([np.zeros((len(hist), 1)), np.cumsum(hist, axis=1)], axis=1)
         self.cumsum, self.rows = cumsum, cumsum_rows
-        self.below_cut = cumulative_below(self.cumsum, self.cut_log2 + 1.0, min_exp, cumsum_rows)
+        self.below_cut = (cumulative_below(self.cumsum, self.cut_log2 + 1.0, min_exp, cumsum_rows) if below_cut is None
+                          else below_cut)
         self.tail = None
         if tail is not None:
             tail = np.asarray(tail, dtype=np.float64)

@@ -231,3 +231,19 @@ def steps_rows(run, columns: Sequence[str], steps: Sequence[int], kinds: Sequenc
         return run.table(list(columns), kinds=kinds, steps=list(steps))
     return pa.Table.from_arrays([as_column_type(table.column(c), COLUMN_TYPES[c]) for c in columns],
                                 names=list(columns))
+
+
+def present_batches(run, columns: Sequence[str], present: str, kinds: Sequence[str] | None = None,
+                    rows: int = 1 << 16) -> Iterator[pa.RecordBatch]:
+    """The rows where ``present`` holds a value (of ``kinds``, when given) with ``columns``, in the
+    run's order and the run schema's types, streamed in batches of at most ``rows`` rows: what
+    ``Run.batches(columns, kinds, present=present)`` yields, without decoding the other rows
+    (the engine filters on the one column first). :class:`EngineCannot`, also part way (the
+    caller then starts again with pyarrow)."""
+    names = ", ".join(_quoted(c) for c in columns)
+    of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
+    with Session(run, lists=any(c in LISTS for c in columns)) as session:
+        for batch in session.batches(f"SELECT {names} FROM rows WHERE {_quoted(present)} IS NOT NULL{of_kinds} "
+                                     f"ORDER BY position", rows):
+            yield pa.RecordBatch.from_arrays([as_column_type(batch.column(c), COLUMN_TYPES[c]) for c in columns],
+                                             names=list(columns))
