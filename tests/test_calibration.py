@@ -377,3 +377,53 @@ def test_samples_merged_and_deduplicated_as_the_references_do():
     merged, _ = _merged_samples(np.arange(5, dtype=np.int64), np.zeros(5, dtype=np.int64),
                                 {c: v[:5] for c, v in values.items()}, rng.random((5, 5)), 4)
     np.testing.assert_array_equal(merged["lost"], values["lost"][:5])
+
+
+def _carry_all(samples, batches):
+    """Feed ``batches`` of (samples, light rows) to ``samples``; every light row's answer."""
+    out = []
+    for full, light in batches:
+        samples.add_samples(*full)
+        out.append(samples.carry(*light))
+    out.append(samples.finish())
+    return [np.concatenate([o[i] for o in out]) for i in range(5)]
+
+
+def _sample_batches(rng, keys: int, batches: int, scale: float = 1.0):
+    bins = 8
+    out = []
+    for b in range(batches):
+        step = np.full(keys, 10 * b, dtype=np.int64)
+        hist = rng.integers(0, 50, (keys, bins)).astype(float) * scale
+        cumsum = np.concatenate([np.zeros((keys, 1)), np.cumsum(hist, axis=1)], axis=1)
+        full = (np.arange(keys, dtype=np.int64), step, cumsum, rng.uniform(-20, -10, keys), rng.random(keys) * 5,
+                rng.random(keys) * 10, rng.random(keys), rng.random(keys) + 0.1, np.full(keys, 400.0))
+        light_key = rng.integers(0, keys, 3 * keys).astype(np.int64)
+        light = (light_key, 10 * b + rng.integers(1, 10, 3 * keys), rng.random(3 * keys) + 0.05,
+                 np.full(3 * keys, 400.0), rng.uniform(-20, -10, 3 * keys))
+        out.append((full, light))
+    return out
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**33])
+def test_samples_kept_compactly_answer_as_kept_whole(scale, monkeypatch):
+    """The samples' histograms are kept as uint32 where their counts fit (float64 beyond, the
+    2^33 case) and the buffer drops what no sample points at: the answers are those of a buffer
+    that keeps every sample in float64."""
+    from ampdoctor.analysis.calibration import Samples
+
+    rng = np.random.default_rng(4)
+    batches = _sample_batches(rng, keys=40, batches=30, scale=scale)
+    compact = Samples(8, -30)
+    got = _carry_all(compact, batches)
+    assert compact._buffer.dtype == (np.uint32 if scale == 1.0 else np.float64)
+    assert compact._rows <= 4 * 40  # (at most the first and the latest sample of each key, and a batch's)
+
+    whole = Samples(8, -30)
+    whole._buffer = np.zeros((10_000, 9))
+    monkeypatch.setattr(Samples, "_compact", lambda self: None)
+    want = _carry_all(whole, batches)
+    assert whole._rows == 30 * 40
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert np.count_nonzero(want[1]) > 0

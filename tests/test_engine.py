@@ -279,3 +279,19 @@ def test_light_rows_before_their_first_sample_count_as_the_scan_counts_them(nan_
                                "WHERE kind = 'param_grad'").to_pylist()[0]
         assert firsts["light"] < firsts["full"]  # (the case: light rows before the first sample)
         assert context_module._unanswered_light_rows(session) == analyse(read_run(cut)).scan.unanswered_light_rows
+
+
+def test_out_of_memory_is_no_damage(ranks_run, monkeypatch):
+    """The engine out of memory (its buffers are capped): the caller reads with pyarrow, and no
+    segment is probed for damage (at a thousand ranks that probe reads every column of the run)."""
+    import duckdb
+
+    def out_of_memory(self, sql, params):
+        raise duckdb.OutOfMemoryException("failed to pin block")
+
+    probed = []
+    monkeypatch.setattr(engine.Session, "_answer", out_of_memory)
+    monkeypatch.setattr(engine.Session, "_skip_unreadable", lambda self: probed.append(1) or False)
+    with pytest.raises(engine.EngineCannot):
+        engine.query(ranks_run, "SELECT count(*) FROM rows")
+    assert probed == [] and not ranks_run.unreadable_segments

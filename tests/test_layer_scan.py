@@ -165,3 +165,28 @@ def test_layer_ids_come_in_the_order_of_the_codes(sampled_run):
     again = layer_scan._pair_ids_sorted(pair, names, kinds, slow, lambda key, row: len(slow))
     assert list(fast) == list(slow) and fast == slow
     np.testing.assert_array_equal(ids, again)
+
+
+def test_step_rows_kept_in_chunks_read_as_the_table(sampled_run):
+    """The scan keeps the step rows in chunks without their all-null counts and histograms (light
+    steps); every column, selection and filter reads as the table of the same rows."""
+    from ampdoctor.analysis.layer_scan import STEP_COLUMNS
+    from ampdoctor.analysis.step_rows import StepRows
+
+    run = read_run(sampled_run)
+    table = run.table(STEP_COLUMNS, kinds=["step"])
+    rows = StepRows(STEP_COLUMNS)
+    whole = table.combine_chunks().to_batches()[0]
+    for start in range(0, table.num_rows, 3):  # (chunks of 3: some all light, some with a full row)
+        rows.append(whole.slice(start, 3))
+    assert any("hist" not in c.schema.names for c in rows._chunks)
+    assert any("hist" in c.schema.names for c in rows._chunks)
+    assert rows.num_rows == table.num_rows and rows.column_names == STEP_COLUMNS
+    for name in STEP_COLUMNS:
+        assert rows.column(name).equals(table.column(name).combine_chunks()), name
+    assert rows.select(["step", "hist", "n_zero"]).equals(table.select(["step", "hist", "n_zero"]))
+    mask = np.arange(table.num_rows) % 4 != 1
+    assert rows.filter(pa.array(mask)).select(STEP_COLUMNS).equals(table.filter(pa.array(mask)))
+    scan = _scan(sampled_run)
+    assert isinstance(scan.step_rows, StepRows)
+    assert scan.step_rows.select(STEP_COLUMNS).equals(table)

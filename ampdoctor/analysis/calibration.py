@@ -341,8 +341,8 @@ class Samples:
     def __init__(self, bins: int, min_exp: int) -> None:
         self.bins, self.min_exp = bins, min_exp
         self._last: dict | None = None               # one row per key: its latest sample before this batch
-        self._buffer = np.zeros((64, bins + 1))      # row i: the histogram cumsum of sample i ...
-        self._rows = 0                               # ... of the first _rows (grown by doubling)
+        self._buffer = np.zeros((64, bins + 1), dtype=np.uint32)  # row i: the histogram cumsum of sample i,
+        self._rows = 0                               # of the first _rows (_store)
         self._batch: dict | None = None              # the samples of the batch being read
         self._first: dict | None = None              # one row per key: its first sample (for rows before it)
         self._pending: list[dict] = []
@@ -361,31 +361,44 @@ class Samples:
         merged, sums = _merged_samples(np.asarray(key, dtype=np.int64), np.asarray(step, dtype=np.int64),
                                        {"cut": cut, "lost": lost, "n_zero": n_zero, "undecided": undecided,
                                         "l2sq": np.square(l2), "numel": numel}, cumsum, self.bins)
-        merged["_c"] = np.arange(len(merged["key"])) + self._rows
+        merged["_c"] = self._store(sums) + np.arange(len(merged["key"]))
         # (what the sample's recorded magnitudes hold below its cut-off: per sample, not per row)
         merged["below_cut"] = cumulative_below(sums, merged["cut"] + 1.0, self.min_exp)
-        if self._rows + len(sums) > len(self._buffer):
-            grown = np.zeros((max(2 * len(self._buffer), self._rows + len(sums)), self.bins + 1))
-            grown[:self._rows] = self._buffer[:self._rows]
-            self._buffer = grown
-        self._buffer[self._rows:self._rows + len(sums)] = sums
-        self._rows += len(sums)
         self._batch = merged
         first = _per_key(merged, last=False)
         self._first = first if self._first is None else _per_key(_concat([self._first, first]), last=False)
-        self._compact()
+
+    def _store(self, sums: np.ndarray) -> int:
+        """Append cumsums to the buffer; returns the row of the first. Out of room, the rows no
+        sample points at any more are dropped first, and the buffer is then at most twice what
+        is kept and added (memory: about four cumsums per tensor and rank). Integer counts below
+        2^32 are held as uint32 (half the memory; read back exactly), others as float64."""
+        if self._rows + len(sums) > len(self._buffer):
+            self._compact()
+            if self._rows + len(sums) > len(self._buffer):
+                grown = np.zeros((max(64, 2 * (self._rows + len(sums))), self.bins + 1), dtype=self._buffer.dtype)
+                grown[:self._rows] = self._buffer[:self._rows]
+                self._buffer = grown
+        if self._buffer.dtype != np.float64 and len(sums) and not (
+                (sums >= 0).all() and (sums < 2.0**32).all() and (sums == np.floor(sums)).all()):
+            self._buffer = self._buffer.astype(np.float64)
+        start = self._rows
+        self._buffer[start:start + len(sums)] = sums
+        self._rows += len(sums)
+        return start
 
     def _compact(self) -> None:
-        """Keep only the cumsums the latest samples (and this batch's) point at."""
+        """Keep only the cumsums the samples still point at (the latest of each key, the first)."""
         tables = [t for t in (self._last, self._batch, self._first) if t is not None]
-        if self._rows > 4 * max(64, sum(len(t["key"]) for t in tables)):
-            keep = np.unique(np.concatenate([t["_c"] for t in tables]))
-            remap = np.full(self._rows, -1)
-            remap[keep] = np.arange(len(keep))
-            self._buffer = np.concatenate([self._cumsum[keep], np.zeros((len(keep), self.bins + 1))])
-            self._rows = len(keep)
-            self._last, self._batch, self._first = (
-                None if t is None else {**t, "_c": remap[t["_c"]]} for t in (self._last, self._batch, self._first))
+        keep = np.unique(np.concatenate([t["_c"] for t in tables])) if tables else np.zeros(0, dtype=np.int64)
+        if len(keep) == self._rows:
+            return
+        remap = np.full(self._rows, -1)
+        remap[keep] = np.arange(len(keep))
+        self._buffer[:len(keep)] = self._buffer[keep]  # (rows move down: a copy of the kept ones only)
+        self._rows = len(keep)
+        self._last, self._batch, self._first = (
+            None if t is None else {**t, "_c": remap[t["_c"]]} for t in (self._last, self._batch, self._first))
 
     @property
     def _cumsum(self) -> np.ndarray:

@@ -36,6 +36,7 @@ from ..run_file.hist_column import hist_matrix
 from ..read import engine
 from ..read.run import Run, empty_table, kind_mask, one_batch
 from .calibration import Measurements, Samples, Tails, calibrated, calibrated_low, keys, lost_below, still_lost
+from .step_rows import StepRows
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
 
 LAYER_KINDS = ("param_grad", "grad_output", "output")
@@ -71,7 +72,7 @@ class LayerScan:
     activation_peak: pd.DataFrame              # per module: largest finite output amax (unscaled)
     heatmap_steps: np.ndarray                  # first step of each heatmap column
     heatmap: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # name → (high, low)
-    step_rows: pa.Table | None = None          # the run's step rows (STEP_COLUMNS), met during the pass
+    step_rows: pa.Table | StepRows | None = None  # the run's step rows (STEP_COLUMNS), met during the pass
     tails: Tails | None = None                 # what underflowed on measured steps, by magnitude (calibration.Tails)
     measurements: Measurements | None = None   # the measured steps' structure (calibration.Measurements) ...
     measure_ids: dict | None = None            # ... keyed by these ids of (name, kind) and the rank
@@ -105,7 +106,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     columns = math.ceil(span / width)
     acc = _Accumulator(span, columns, bins=bins, min_exp=min_exp)
     _measured_pass(acc, run, amp, batch_rows)
-    step_rows = []
+    step_rows = StepRows(STEP_COLUMNS)
     read = LAYER_COLUMNS + [c for c in STEP_COLUMNS if c not in LAYER_COLUMNS]
     acc.measurements.points  # (computed once, before the threads read it)
     # Two stages on two threads, each in the groups' order: while one group's light rows are
@@ -117,7 +118,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
             is_step = kind_mask(batch.column("kind"), ["step"])
             steps = batch.filter(is_step)
             if steps.num_rows:
-                step_rows.append(steps.select(STEP_COLUMNS))
+                step_rows.append(steps)
             layer = kind_mask(batch.column("kind"), list(LAYER_KINDS)).to_numpy(zero_copy_only=False)
             if layer.any():
                 # (each read batch's rows among them: the sums per layer add up batch by batch)
@@ -132,7 +133,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     scan = acc.result(first_step, width)
     scan.tails, scan.measurements, scan.measure_ids = acc.tails, acc.measurements, acc.measure_ids
     scan.unanswered_light_rows = acc.samples.unanswered
-    scan.step_rows = pa.Table.from_batches(step_rows) if step_rows else empty_table(STEP_COLUMNS)
+    scan.step_rows = step_rows if step_rows.num_rows else empty_table(STEP_COLUMNS)
     return scan
 
 
@@ -140,15 +141,17 @@ _DENSE = ("step", "rank", "scale", "numel", "amax", "l2")  # what every layer ro
 _SPARSE = ("amin", "n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines", "n_underflow")  # full rows' only
 
 
-def _full_only(batch: pa.RecordBatch, rows: np.ndarray, full: np.ndarray, at: np.ndarray) -> dict | None:
+def _full_only(batch: pa.RecordBatch, rows: np.ndarray, at: np.ndarray) -> dict | None:
     """The :data:`_SPARSE` columns of the full rows (``at`` among ``rows``), as the whole column's
     numpy conversion would give them there (a column with nulls as float64); None where a light
     row holds one of them (another writer's file: the caller reads them whole)."""
     out = {}
     taken = pa.array(rows[at])
+    counted = pc.is_valid(batch.column("n_zero"))
     for c in _SPARSE:
         column = batch.column(c)
-        if column.null_count < len(column) and column.is_valid().to_numpy(zero_copy_only=False)[rows][~full].any():
+        # (over every row of the batch, step rows too: bitmaps, not a numpy array per column)
+        if column.null_count < len(column) and pc.any(pc.and_not(pc.is_valid(column), counted)).as_py():
             return None
         values = column.take(taken).to_numpy(zero_copy_only=False)
         out[c] = values.astype(np.float64) if column.null_count and values.dtype.kind in "iub" else values
@@ -336,7 +339,7 @@ class _Accumulator:
         full = batch.column("n_zero").is_valid().to_numpy(zero_copy_only=False)[rows]
         at = np.flatnonzero(full)
         # The counts are read for the full rows alone where light rows hold none (as written).
-        sparse = _full_only(batch, rows, full, at)
+        sparse = _full_only(batch, rows, at)
         if sparse is None:
             col.update({c: batch.column(c).to_numpy(zero_copy_only=False)[rows] for c in _SPARSE})
         param = of_kind["param_grad"]

@@ -83,13 +83,18 @@ def _postmortem(a: Analysis | EventContext, steps: pd.DataFrame, params: pd.Data
             "notes": notes, "run": run_info}
 
 
+# What the diagnosis reads of each rank's step rows (a run of 1,024 ranks has millions of them:
+# the other columns are not converted).
+_PER_RANK_COLUMNS = ["step", "rank", "scale", "skipped", "loss", "amax", "l2", "n_nan", "n_inf"]
+
+
 def _per_rank_steps(step_rows) -> pd.DataFrame:
-    table = step_rows.drop_columns(["hist"])
-    frame = to_frame(table)
+    frame = to_frame(step_rows.select(_PER_RANK_COLUMNS))
     frame["loss_value"] = frame["loss"].astype("float64")  # NaN for null too
     frame["loss_recorded"] = frame["loss"].notna()
     frame["loss_bad"] = frame["loss_recorded"] & ~np.isfinite(frame["loss_value"])
     frame["grads_bad"] = nonfinite_rows(frame)
+    frame = frame.drop(columns=["loss", "n_nan", "n_inf"])
     return frame.sort_values(["step", "rank"]).reset_index(drop=True)
 
 

@@ -101,16 +101,21 @@ class StepSeries:
 def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> StepSeries:
     """Merge the step rows (``layer_scan.STEP_COLUMNS``) of every rank into one series.
 
-    Each column is reduced on its own (pandas' group kernels, the rows sorted by step and rank):
-    memory of a few columns, not a frame of them all (a run of 1,024 ranks has millions of step
-    rows)."""
+    Each column is reduced on its own (pandas' group kernels, the rows sorted by step and rank)
+    and let go before the next: memory of a few columns, not a frame of them all (a run of 1,024
+    ranks has millions of step rows)."""
     n = table.num_rows
     step = table.column("step").to_numpy(zero_copy_only=False)
     rank = table.column("rank").to_numpy(zero_copy_only=False)
+    ranks = int(pd.Series(rank).nunique())
     order = np.lexsort((rank, step))  # (stable: as sorting by step and rank, ties in the rows' order)
+    del rank
     sorted_step = step[order]
-    # Each row's group (steps ascending), in sorted order: as groupby("step").ngroup() of the sorted rows.
-    codes = np.concatenate([[0], np.cumsum(sorted_step[1:] != sorted_step[:-1])]) if n else np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], sorted_step[1:] != sorted_step[:-1]])) if n else np.zeros(0, int)
+    steps = sorted_step[starts]  # each group's step, ascending
+    del sorted_step
+    # Each row's group in sorted order: as groupby("step").ngroup() of the sorted rows.
+    codes = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, n)))
 
     def column(name: str) -> pd.Series:
         """A column as the frame would hold it (Arrow's pandas conversion), in sorted order."""
@@ -120,53 +125,50 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
         grouped = pd.Series(values).reset_index(drop=True).groupby(codes, sort=True)
         return getattr(grouped, how)(**options)
 
-    # What underflowed, by magnitude: on measured steps' rows only (null elsewhere).
-    lost_hist = None
-    if "underflow_hist" in table.column_names and table.column("underflow_hist").null_count < n:
-        valid = table.column("underflow_hist").is_valid().to_numpy(zero_copy_only=False)
-        lost_hist = (np.nonzero(valid)[0], hist_matrix(table.filter(pa.array(valid)).column("underflow_hist"), bins,
-                                                       np.float64))
+    agg = {}
     loss = table.column("loss").to_numpy(zero_copy_only=False).astype(np.float64)[order]  # null → NaN
     recorded = table.column("loss").is_valid().to_numpy(zero_copy_only=False)[order]
+    agg["forced"], agg["loss"] = reduce(recorded & ~np.isfinite(loss), "any"), reduce(loss, "mean")
+    agg["loss_recorded"] = reduce(recorded, "any")
+    del loss, recorded
+    frame = pd.DataFrame({c: column(c) for c in ("n_nan", "n_inf", "amax")})
+    agg["nonfinite"] = reduce(nonfinite_rows(frame), "any")
+    light = column("n_zero").isna().to_numpy()  # peak and norm only: a non-finite gradient shows in the peak
+    amax = frame["amax"]
+    del frame
+    agg["amax"] = reduce(amax.where(~light | np.isfinite(amax)), "max")  # (a non-finite peak is no magnitude)
+    agg["sampled"] = reduce(~light, "any")
+    del amax, light
+    for name, how in (("scale", "first"), ("skipped", "any"), ("l2", "max"), ("numel", "sum"), ("n_zero", "sum"),
+                      ("n_subnormal", "sum")):
+        agg[name] = reduce(column(name), how)
+    # (null where no rank recorded its lines; counts as floats: exact sums)
+    agg["n_zero_lines"] = reduce(column("n_zero_lines"), "sum", min_count=1)
+    agg = pd.DataFrame(agg, columns=["scale", "skipped", "forced", "nonfinite", "amax", "l2", "loss", "loss_recorded",
+                                     "numel", "n_zero", "n_subnormal", "sampled", "n_zero_lines"])
+    agg.index = pd.Index(steps, name="step")
     # The histograms of the full rows alone (light rows have none: they would add zeros), summed
-    # over ranks below: exact.
+    # over ranks in sorted order: exact.
     has_hist = table.column("hist").is_valid().to_numpy(zero_copy_only=False)
     hist = hist_matrix(table.column("hist").filter(pa.array(has_hist)), bins, np.float64)
     hist_row = np.full(n, -1)
     hist_row[has_hist] = np.arange(len(hist))
-    n_nan, n_inf, amax, n_zero = (column(c) for c in ("n_nan", "n_inf", "amax", "n_zero"))
-    light = n_zero.isna()  # peak and norm only: a non-finite gradient shows in the peak
-    nonfinite = nonfinite_rows(pd.DataFrame({"n_nan": n_nan, "n_inf": n_inf, "amax": amax}))
-    del n_nan, n_inf
-    agg = pd.DataFrame({
-        "scale": reduce(column("scale"), "first"), "skipped": reduce(column("skipped"), "any"),
-        "forced": reduce(recorded & ~np.isfinite(loss), "any"), "nonfinite": reduce(nonfinite, "any"),
-        # (a non-finite peak is no magnitude)
-        "amax": reduce(amax.where(~light | np.isfinite(amax)), "max"), "l2": reduce(column("l2"), "max"),
-        "loss": reduce(loss, "mean"), "loss_recorded": reduce(recorded, "any"), "numel": reduce(column("numel"), "sum"),
-        "n_zero": reduce(n_zero, "sum"), "n_subnormal": reduce(column("n_subnormal"), "sum"),
-        "sampled": reduce(~light, "any"),
-        # (null where no rank recorded its lines; counts as floats: exact sums)
-        "n_zero_lines": reduce(column("n_zero_lines"), "sum", min_count=1)})
-    agg.index = pd.Index(sorted_step[np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))] if n
-                         else np.zeros(0, np.int64), name="step")
-    del amax, n_zero, light, nonfinite
+    at = np.flatnonzero(has_hist[order])  # (sorted positions of the rows with one)
     merged_hist = np.zeros((len(agg), bins))
-    of_row = hist_row[order]
-    np.add.at(merged_hist, codes[of_row >= 0], hist[of_row[of_row >= 0]])
+    np.add.at(merged_hist, codes[at], hist[hist_row[order[at]]])
+    del hist_row
     # What underflowed on measured steps (every rank's step row measured), by magnitude: the tail
-    # below the cut-off that predictions at higher scales read (UnderflowModel(tail=)).
+    # below the cut-off that predictions at higher scales read (UnderflowModel(tail=)); on
+    # measured steps' rows only (null elsewhere).
     tail = tail_cut = None
-    if lost_hist is not None:
-        rows_at, lost_rows = lost_hist
-        code_of_row = np.empty(n, dtype=np.int64)
-        code_of_row[order] = codes
-        has = np.zeros(n, dtype=bool)
-        has[rows_at] = True
-        all_measured = pd.Series(has[order]).groupby(codes).all().to_numpy()
+    if "underflow_hist" in table.column_names and table.column("underflow_hist").null_count < n:
+        valid = table.column("underflow_hist").is_valid().to_numpy(zero_copy_only=False)
+        rows_at = np.nonzero(valid)[0]
+        all_measured = pd.Series(valid[order]).groupby(codes).all().to_numpy()
         if all_measured.any():
+            lost_rows = hist_matrix(table.filter(pa.array(valid)).column("underflow_hist"), bins, np.float64)
             merged_lost = np.zeros((len(agg), bins))
-            np.add.at(merged_lost, code_of_row[rows_at], lost_rows)
+            np.add.at(merged_lost, np.searchsorted(steps, step[rows_at]), lost_rows)
             at = _nearest_sampled(all_measured)
             scale_at = np.maximum(agg["scale"].to_numpy(dtype=np.float64), 2.0**-149)
             tail, tail_cut = merged_lost[at], np.log2(fmt.underflow_below / scale_at)[at]
@@ -187,7 +189,7 @@ def load_steps(table: pa.Table, fmt: FloatFormat, min_exp: int, bins: int) -> St
         forced=agg["forced"].to_numpy(bool), nonfinite=agg["nonfinite"].to_numpy(bool), amax=np.where(np.isfinite(amax), amax, 0.0), l2=l2,
         loss=f64("loss"), loss_recorded=agg["loss_recorded"].to_numpy(bool), numel=numel,
         n_zero=n_zero[source] * ratio, n_subnormal=n_subnormal[source] * ratio, hist=merged_hist[source] * ratio[:, None],
-        ranks=int(pd.Series(rank).nunique()), fmt=fmt, min_exp=min_exp, sample_scale=scale[source],
+        ranks=ranks, fmt=fmt, min_exp=min_exp, sample_scale=scale[source],
         n_zero_lines=f64("n_zero_lines")[source] * ratio, drift_log2=drift, source=source, tail=tail,
         tail_cut_log2=tail_cut)
 

@@ -164,7 +164,7 @@ def cumulative_below(cumsum: np.ndarray, x_log2: np.ndarray | float, min_exp: in
     if rows is not None:
         # (one flat gather: faster than a 2-d fancy index, the same elements)
         flat = (rows if x.ndim == 1 else rows[:, None]) * cumsum.shape[1] + j
-        lo, hi = np.take(cumsum, flat), np.take(cumsum, flat + 1)
+        lo, hi = (np.take(cumsum, at).astype(np.float64, copy=False) for at in (flat, flat + 1))
     elif x.ndim == 1:
         lo = np.take_along_axis(cumsum, j[:, None], axis=1)[:, 0]
         hi = np.take_along_axis(cumsum, j[:, None] + 1, axis=1)[:, 0]

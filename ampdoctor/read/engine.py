@@ -24,6 +24,7 @@ no segment explains is :class:`EngineCannot`, and the caller reads with pyarrow.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Iterator, Sequence
 
 import pyarrow as pa
@@ -43,6 +44,7 @@ FINITE = "({x} < 3.5e38 AND {x} > -3.5e38)"
 NONFINITE = ("(COALESCE(n_nan + n_inf > 0, false) OR (n_zero IS NULL AND NOT COALESCE("
              + FINITE.format(x="amax") + ", false)))")
 MEMORY_LIMIT = "512MB"  # the engine's own buffers (Arrow results come on top): docs/benchmarks.md
+SORT_MEMORY_LIMIT = "256MB"  # a streamed answer's (present_batches): the sort spills beyond it
 _SQL_TYPES = {"step": "BIGINT", "rank": "INTEGER", "kind": "VARCHAR", "name": "VARCHAR", "order": "INTEGER",
               "dtype": "VARCHAR", "numel": "BIGINT", "scale": "FLOAT", "skipped": "BOOLEAN", "loss": "FLOAT",
               "amax": "FLOAT", "amin": "FLOAT", "l2": "FLOAT", "n_zero": "BIGINT", "n_subnormal": "BIGINT",
@@ -76,7 +78,7 @@ class Session:
     :meth:`close`). ``lists``: ``rows`` has the list columns too (:data:`LISTS`; :class:`NoLists`
     where not :func:`lists_here`)."""
 
-    def __init__(self, run, lists: bool = False) -> None:
+    def __init__(self, run, lists: bool = False, memory_limit: str = MEMORY_LIMIT) -> None:
         import duckdb
 
         if lists and not lists_here(run):
@@ -84,7 +86,11 @@ class Session:
         if any(c in str(s.path) for s in run.segments for c in "*?["):
             raise EngineCannot("a segment's path holds a pattern character")
         self.run, self.lists = run, lists
-        self._connection = duckdb.connect(":memory:", config={"threads": _cores(), "memory_limit": MEMORY_LIMIT})
+        # What does not fit in ``memory_limit`` (a sort of many rows) spills to a directory of
+        # the session's own, removed on close (DuckDB's default is ".tmp" in the current directory).
+        self._spill = tempfile.TemporaryDirectory(prefix="ampdoctor-engine-")
+        self._connection = duckdb.connect(":memory:", config={"threads": _cores(), "memory_limit": memory_limit,
+                                                              "temp_directory": self._spill.name})
         self._connection.execute("SET enable_progress_bar = false")  # (it would print on a terminal)
         # The segments' footers read once for the session's queries, not once a query.
         self._connection.execute("SET enable_object_cache = true")
@@ -103,8 +109,9 @@ class Session:
             except duckdb.Error as exc:
                 # A segment whose data the engine could not read: found and skipped with a warning,
                 # as Run.table skips it (Run raises RunError when none is left), and the query run
-                # again; a failure no segment explains: the caller reads with pyarrow.
-                if not self._skip_unreadable():
+                # again; a failure no segment explains (or out of memory, which no segment
+                # explains: not probed): the caller reads with pyarrow.
+                if isinstance(exc, duckdb.OutOfMemoryException) or not self._skip_unreadable():
                     raise EngineCannot(one_line(f"the query engine failed on this run ({exc})")) from None
 
     def _answer(self, sql: str, params: Sequence | None) -> pa.Table:
@@ -127,7 +134,8 @@ class Session:
             reader = getattr(relation, "to_arrow_reader", None) or relation.fetch_arrow_reader
             yield from reader(rows)
         except duckdb.Error as exc:
-            self._skip_unreadable()
+            if not isinstance(exc, duckdb.OutOfMemoryException):
+                self._skip_unreadable()
             raise EngineCannot(one_line(f"the query engine failed part way through a streamed answer ({exc})")
                                ) from None
 
@@ -146,6 +154,7 @@ class Session:
 
     def close(self) -> None:
         self._connection.close()
+        self._spill.cleanup()
 
     def __enter__(self) -> "Session":
         return self
@@ -242,7 +251,8 @@ def present_batches(run, columns: Sequence[str], present: str, kinds: Sequence[s
     caller then starts again with pyarrow)."""
     names = ", ".join(_quoted(c) for c in columns)
     of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
-    with Session(run, lists=any(c in LISTS for c in columns)) as session:
+    # (the answer is sorted before its first row streams: a small buffer, the rest spilled)
+    with Session(run, lists=any(c in LISTS for c in columns), memory_limit=SORT_MEMORY_LIMIT) as session:
         for batch in session.batches(f"SELECT {names} FROM rows WHERE {_quoted(present)} IS NOT NULL{of_kinds} "
                                      f"ORDER BY position", rows):
             yield pa.RecordBatch.from_arrays([as_column_type(batch.column(c), COLUMN_TYPES[c]) for c in columns],
