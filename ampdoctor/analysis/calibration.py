@@ -420,7 +420,7 @@ class Samples:
         if not parts or not len(rows["key"]):
             self._hold(rows)
             return empty
-        rows = _take(rows, np.argsort(rows["step"], kind="stable"))
+        # (in the rows' order: the per-step sums add each step's rows in it, answered ones first)
         table = _dedup_last(_concat(parts))
         found = _as_of(table, rows["key"], rows["step"], backward=True)
         missing = found < 0
@@ -452,10 +452,10 @@ class Samples:
         structure = np.maximum(zeros_s - lost_s - got["undecided"].astype(float), 0.0)
         # No more lost than the sample's elements that are not structure.
         cut = rows["cutq"]
-        at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
         # The small values may move faster than the norm, either way: a gradient computed from
         # output gradients that underflowed upstream loses (or, growing, regains) elements its own
         # histogram does not show. The loss at DRIFT_RANGE times the drift is the range's other end.
+        at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
         one, two = at(drift), at(DRIFT_RANGE * drift)
         lost, lost_hi = np.minimum(one, two), np.maximum(one, two)
         undecided = got["undecided"].astype(float)
