@@ -26,7 +26,7 @@ SPARSE_STEP_COLUMNS = ("n_zero", "n_subnormal", "n_nan", "n_inf", "n_zero_lines"
 class StepRows:
     """Step rows in chunks (record batches of the columns ``names``, a sparse one left out where
     all null), read as one table: ``num_rows``, ``column_names``, ``column``, ``select``,
-    ``filter`` (what pyarrow's ``Table`` offers for these)."""
+    ``filter``, ``schema`` (what pyarrow's ``Table`` offers for these)."""
 
     def __init__(self, names: Sequence[str], chunks: list[pa.RecordBatch] | None = None,
                  types: dict[str, pa.DataType] | None = None) -> None:
@@ -45,6 +45,10 @@ class StepRows:
             if not (name in SPARSE_STEP_COLUMNS and column.null_count == len(column)):
                 keep.append(name)
         self._chunks.append(batch.select(keep))
+
+    @property
+    def schema(self) -> pa.Schema:
+        return pa.schema([(name, self._types.get(name, COLUMN_TYPES.get(name))) for name in self.column_names])
 
     @property
     def num_rows(self) -> int:
