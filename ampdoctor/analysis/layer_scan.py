@@ -174,9 +174,9 @@ def _measured_pass(acc: "_Accumulator", run: Run, amp: FloatFormat, batch_rows: 
 
 def _pair_ids(batch: pa.RecordBatch, ids: dict[tuple[str, str], int], new=None,
               rows: np.ndarray | None = None) -> np.ndarray:
-    """Per row (``rows``: of these, by index), the id in ``ids`` of its (name, kind), from the small per-batch dictionaries (not
-    the strings); a pair not in ``ids`` gets ``new(pair, its first row)`` there, or -1 without
-    ``new``."""
+    """Per row (``rows``: of these, by index), the id in ``ids`` of its (name, kind), from the
+    small per-batch dictionaries (not the strings); a pair not in ``ids`` gets ``new(pair, its
+    first row)`` there, or -1 without ``new``."""
     (names, name_idx), (kinds, kind_idx) = (_dictionary(batch.column(c), rows) for c in ("name", "kind"))
     pair = name_idx.astype(np.int64) * len(kinds) + kind_idx
     size = len(names) * len(kinds)
@@ -317,7 +317,8 @@ class _Accumulator:
 
     def prepare(self, batch: pa.RecordBatch, amp: FloatFormat, min_exp: int, bins: int, first_step: int,
                 width: int, ends: np.ndarray | None = None, rows: np.ndarray | None = None) -> "_Carried":
-        """Reduce ``batch``'s rows (``rows``: those of them, by index; default all). ``ends``: where each batch as read ends among them (rows read
+        """Reduce ``batch``'s rows (``rows``: those of them, by index; default all), all but what
+        :meth:`carry` does with them. ``ends``: where each batch as read ends among them (rows read
         in a group): the float sums per layer and per step add up read batch by read batch, so that
         they are the same however the batches were grouped.
 
@@ -416,10 +417,10 @@ class _Accumulator:
 
     def _add_full(self, batch, at, layer, col, amp, min_exp, bins, param, output, grad_output, nonfinite, usable,
                   amax, scale, below, first_step, width, bounds) -> "_FullRows":
-        """The full rows' (``at``: their indices in ``batch``, in order; ``col`` and the masks theirs) histogram work: the
-        underflow estimates, calibrated by the measurements; their per-layer sums (read batch by
-        read batch: ``bounds`` among them), heatmap lows and measurement distances. Returns what
-        the per-step sums and the samples read of them."""
+        """The full rows' histogram work (``at``: their indices in ``batch``, in order; ``col`` and
+        the masks theirs): the underflow estimates, calibrated by the measurements; their per-layer
+        sums (read batch by read batch: ``bounds`` among them), heatmap lows and measurement
+        distances. Returns what the per-step sums and the samples read of them."""
         hist = hist_matrix(batch.column("hist").take(pa.array(at)), bins)
         n_underflow = col["n_underflow"].astype(np.float64)
         measured = ~output & ~nonfinite & ~np.isnan(n_underflow)
@@ -484,8 +485,8 @@ class _Accumulator:
         n = len(self.ids)
         for i, values in ((_NUMEL, col["numel"]), (_ZERO, col["n_zero"]), (_SUBNORMAL, col["n_subnormal"]),
                           (_LOST, lost), (_OBSERVED, np.ones(len(at))), (_NONFINITE, nonfinite), (_UPPER, upper),
-                          (_JUDGED, np.where(judged, col["numel"], 0)), (_MEASURED, np.where(measured, col["numel"], 0)),
-                          (_LOW, lost_low)):
+                          (_JUDGED, np.where(judged, col["numel"], 0)),
+                          (_MEASURED, np.where(measured, col["numel"], 0)), (_LOW, lost_low)):
             values = np.nan_to_num(np.asarray(values, dtype=np.float64))
             for a, b in _pairs(bounds):
                 self.sums[i, :n] += np.bincount(layer[a:b], weights=values[a:b], minlength=n)
