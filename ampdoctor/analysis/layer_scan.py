@@ -408,7 +408,7 @@ class _Accumulator:
         samples (calibration.Samples). Touches only the per-step sums and the samples, none of
         :meth:`prepare`'s state: the two may run on two threads, each in the batches' order."""
         f = rows.full
-        for (fa, fb), (ca, cb) in zip(f.bounds(), _pairs(rows.bounds)):
+        for (fa, fb), (ca, cb) in zip(_pairs(f.bounds), _pairs(rows.bounds)):
             f.add_steps(self, fa, fb)
             self.samples.add_samples(*f.samples(fa, fb))
             if cb > ca:
@@ -580,7 +580,7 @@ class _Carried:
 class _FullRows:
     """What the per-step sums and the samples read of one group's full rows (in row order)."""
 
-    bounds_: np.ndarray       # each read batch's bounds among them
+    bounds: np.ndarray        # each read batch's bounds among them
     offset: np.ndarray        # step - the run's first step
     stepped: np.ndarray       # parameter gradients within the step range, finite: the per-step sums'
     judged: np.ndarray
@@ -592,9 +592,6 @@ class _FullRows:
     key: np.ndarray
     cumsum: np.ndarray
     cut: np.ndarray           # log2 of the AMP format's cut-off at the recorded scale
-
-    def bounds(self):
-        return _pairs(self.bounds_)
 
     def add_steps(self, acc: "_Accumulator", a: int, b: int) -> None:
         """Rows ``a:b``' per-step sums (lost, zeros, undecided, judged and measured elements)."""
