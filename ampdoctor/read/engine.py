@@ -226,20 +226,27 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _ordered(columns: Sequence[str], where: str, kinds: Sequence[str] | None) -> str:
+    """The query of ``columns`` of the rows ``where`` holds (of ``kinds``, when given), in the run's order."""
+    of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
+    return f"SELECT {', '.join(_quoted(c) for c in columns)} FROM rows WHERE {where}{of_kinds} ORDER BY position"
+
+
+def _typed(answer, columns: Sequence[str]) -> list[pa.Array]:
+    """An answer's ``columns`` in the run schema's types."""
+    return [as_column_type(answer.column(c), COLUMN_TYPES[c]) for c in columns]
+
+
 def steps_rows(run, columns: Sequence[str], steps: Sequence[int], kinds: Sequence[str] | None = None) -> pa.Table:
     """Every row of ``steps`` (of ``kinds``, when given) with ``columns``, in the run's order and
     the run schema's types: ``Run.table(columns, kinds, steps)``, which it is where the engine
     cannot read the run (:class:`EngineCannot`)."""
     wanted = ", ".join(str(int(s)) for s in steps) or "NULL"
-    names = ", ".join(_quoted(c) for c in columns)
-    of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
     try:
-        table = query(run, f"SELECT {names} FROM rows WHERE step IN ({wanted}){of_kinds} "
-                           f"ORDER BY position", lists=any(c in LISTS for c in columns))
+        table = query(run, _ordered(columns, f"step IN ({wanted})", kinds), lists=any(c in LISTS for c in columns))
     except EngineCannot:
         return run.table(list(columns), kinds=kinds, steps=list(steps))
-    return pa.Table.from_arrays([as_column_type(table.column(c), COLUMN_TYPES[c]) for c in columns],
-                                names=list(columns))
+    return pa.Table.from_arrays(_typed(table, columns), names=list(columns))
 
 
 def present_batches(run, columns: Sequence[str], present: str, kinds: Sequence[str] | None = None,
@@ -249,11 +256,7 @@ def present_batches(run, columns: Sequence[str], present: str, kinds: Sequence[s
     ``Run.batches(columns, kinds, present=present)`` yields, without decoding the other rows
     (the engine filters on the one column first). :class:`EngineCannot`, also part way (the
     caller then starts again with pyarrow)."""
-    names = ", ".join(_quoted(c) for c in columns)
-    of_kinds = "" if kinds is None else " AND kind IN (" + ", ".join(_literal(k) for k in kinds) + ")"
     # (the answer is sorted before its first row streams: a small buffer, the rest spilled)
     with Session(run, lists=any(c in LISTS for c in columns), memory_limit=SORT_MEMORY_LIMIT) as session:
-        for batch in session.batches(f"SELECT {names} FROM rows WHERE {_quoted(present)} IS NOT NULL{of_kinds} "
-                                     f"ORDER BY position", rows):
-            yield pa.RecordBatch.from_arrays([as_column_type(batch.column(c), COLUMN_TYPES[c]) for c in columns],
-                                             names=list(columns))
+        for batch in session.batches(_ordered(columns, f"{_quoted(present)} IS NOT NULL", kinds), rows):
+            yield pa.RecordBatch.from_arrays(_typed(batch, columns), names=list(columns))
