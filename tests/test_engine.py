@@ -59,6 +59,35 @@ def test_superseded_rows_are_not_rows(ranks_run):
     assert count == cut.table(["step"]).num_rows < ranks_run.table(["step"]).num_rows
 
 
+def test_the_view_by_file_index_is_the_view_by_file_name(ranks_run):
+    """``rows`` numbers each row's segment by its file's index in the listing (DuckDB 1.3's
+    file_index) or, before 1.3, by a join on its file name: the same rows, segments and positions,
+    also over a subset of the segments (those holding a column) with a superseded one among them."""
+    import duckdb
+
+    longer = next(s for s in ranks_run.segments if s.steps[1] > s.steps[0] and s.present["n_underflow"])
+    cut = Run(ranks_run.path, [replace(s, until=s.steps[0] + 1) if s is longer else s for s in ranks_run.segments])
+    held = [i for i, s in enumerate(cut.segments) if s.present["n_underflow"]]
+    assert 0 < len(held) < len(cut.segments)
+    sql = "SELECT segment, segment_row, position, step, kind, name, n_underflow FROM rows ORDER BY position"
+    answers = []
+    with engine.Session(cut, present="n_underflow") as session:
+        for by_index in (True, False):
+            try:
+                engine._register(session._connection, cut, False, "n_underflow", by_index=by_index)
+            except duckdb.BinderException:
+                assert by_index and tuple(map(int, duckdb.__version__.split(".")[:2])) < (1, 3)
+                continue
+            session._registered = True
+            answers.append(session.query(sql).to_pydict())
+    want = Run(cut.path, [cut.segments[i] for i in held]).table(["step", "kind", "name", "n_underflow"])
+    for answer in answers:
+        assert set(answer["segment"]) == set(held)
+        assert answer["position"] == [s * 2**32 + r for s, r in zip(answer["segment"], answer["segment_row"])]
+        assert {c: answer[c] for c in want.column_names} == want.to_pydict()
+    assert answers and all(a == answers[0] for a in answers)
+
+
 def test_steps_rows_are_run_table_of_steps(ranks_run):
     steps = [0, 3, 17, 29]
     got = engine.steps_rows(ranks_run, ORIGIN_COLUMNS, steps)
@@ -199,9 +228,12 @@ def test_grouping_the_batches_changes_no_bit_of_the_scan(ranks_run):
     from ampdoctor.float_formats import FLOAT16
 
     groups = list(ranks_run.batch_groups(["step", "kind"], batch_rows=64, group_rows=300))
-    assert all(sum(b.num_rows for b in g) >= 300 for g in groups[:-1]) and len(groups) > 2
-    flat = [b.num_rows for g in groups for b in g]
-    assert flat == [b.num_rows for b in ranks_run.batches(["step", "kind"], batch_rows=64)]
+    assert all(sum(sizes) >= 300 for _, sizes in groups[:-1]) and len(groups) > 2
+    assert all(batch.num_rows == sum(sizes) for batch, sizes in groups)
+    flat = [n for _, sizes in groups for n in sizes]
+    batches = list(ranks_run.batches(["step", "kind"], batch_rows=64))
+    assert flat == [b.num_rows for b in batches]
+    assert pa.Table.from_batches([b for b, _ in groups]).to_pydict() == pa.Table.from_batches(batches).to_pydict()
     scans = [scan_layers(ranks_run, FLOAT16, min_exp=-56, bins=64, batch_rows=64, group_rows=g)
              for g in (1, 500, 10**6)]
     for other in scans[1:]:

@@ -432,24 +432,27 @@ class Samples:
             self._hold(_take(ahead_rows, np.flatnonzero(held)))
             answered = np.flatnonzero(~missing)
             rows = _concat([_take(rows, answered), _take(ahead_rows, np.flatnonzero(~held))])
-            got = {**{c: np.concatenate([table[c][found[answered]], self._first[c][ahead[~held]]])
-                      for c in table}}
-        else:
-            got = {c: v[found] for c, v in table.items()}
-        return (rows["step"], *self._evaluate(rows, got))
+            table = _concat([table, self._first])
+            found = np.concatenate([found[answered], len(table["key"]) - len(self._first["key"]) + ahead[~held]])
+        return (rows["step"], *self._evaluate(rows, table, found))
 
-    def _evaluate(self, rows: dict, got: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        numel_s = np.maximum(got["numel"].astype(float), 1.0)
+    def _evaluate(self, rows: dict, table: dict, found: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The light ``rows``' figures, each from its sample (row ``found`` of ``table``)."""
+        # (what depends on the sample alone, per sample: a few hundred of them, then each row's)
+        numel_s = np.maximum(table["numel"].astype(float), 1.0)
+        lost_s = table["lost"].astype(float)
+        undecided = table["undecided"].astype(float)
+        structure = np.maximum(table["n_zero"].astype(float) - lost_s - undecided, 0.0)
+        numel_s, l2s, lost_s, cut_s, below_cut, c, structure, undecided = (
+            v[found] for v in (numel_s, np.sqrt(table["l2sq"].astype(float)), lost_s, table["cut"].astype(float),
+                               table["below_cut"], table["_c"].astype(np.int64), structure, undecided))
         ratio = rows["numel"] / numel_s
-        l2, l2s = rows["l2"], np.sqrt(got["l2sq"].astype(float))
         with np.errstate(divide="ignore", invalid="ignore"):
-            drift = np.log2(l2 / l2s)
+            drift = np.log2(rows["l2"] / l2s)
         drift = np.where(np.isfinite(drift), drift, 0.0)  # a zero or non-finite norm: no drift to read
-        lost_s = got["lost"].astype(float)
-        model = UnderflowModel(None, got["cut"].astype(float), lost_s, self.min_exp, cumsum=self._cumsum,
-                               cumsum_rows=got["_c"].astype(np.int64), below_cut=got["below_cut"])
-        zeros_s = got["n_zero"].astype(float)
-        structure = np.maximum(zeros_s - lost_s - got["undecided"].astype(float), 0.0)
+        model = UnderflowModel(None, cut_s, lost_s, self.min_exp, cumsum=self._cumsum, cumsum_rows=c,
+                               below_cut=below_cut)
         # No more lost than the sample's elements that are not structure.
         cut = rows["cutq"]
         # The small values may move faster than the norm, either way: a gradient computed from
@@ -458,7 +461,6 @@ class Samples:
         at = lambda d: np.clip(model.lost(cut - d), 0.0, numel_s - structure)  # noqa: E731
         one, two = at(drift), at(DRIFT_RANGE * drift)
         lost, lost_hi = np.minimum(one, two), np.maximum(one, two)
-        undecided = got["undecided"].astype(float)
         return lost * ratio, lost_hi * ratio, (structure + undecided + lost) * ratio, undecided * ratio
 
     def _hold(self, rows: dict) -> None:
@@ -525,8 +527,10 @@ def _as_of(table: dict, key: np.ndarray, step: np.ndarray, backward: bool) -> np
     base = int(t_step.min())
     span = int(t_step.max()) - base + 2
     if t_key.min() >= 0 and int(t_key.max()) < (1 << 62) // span:
-        q = np.flatnonzero((key >= 0) & (key <= t_key.max()))  # (no other key is in the table)
-        key, step = key[q], step[q]
+        q = None
+        if key.min() < 0 or key.max() > t_key.max():
+            q = np.flatnonzero((key >= 0) & (key <= t_key.max()))  # (no other key is in the table)
+            key, step = key[q], step[q]
         # Keys and steps as one code (key x span + step offset; a query's offset clipped to
         # [-1, span - 1], which no row's reaches): one sort, one search.
         code = t_key * span + (t_step - base)
@@ -539,8 +543,11 @@ def _as_of(table: dict, key: np.ndarray, step: np.ndarray, backward: bool) -> np
         else:
             pos = np.searchsorted(code, query, side="left")
             ok = pos < len(code)
-        ok[ok] = t_key[order[pos[ok]]] == key[ok]
-        out[q[ok]] = order[pos[ok]]
+        row = order[np.clip(pos, 0, len(code) - 1)]
+        found = np.where(ok & (t_key[row] == key), row, -1)
+        if q is None:
+            return found
+        out[q] = found
         return out
     known = np.unique(table["key"])
     dense_t = np.searchsorted(known, table["key"])

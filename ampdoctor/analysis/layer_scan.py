@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from ..float_formats import FloatFormat, float_format
 from ..run_file.hist_column import hist_matrix
 from ..read import engine
-from ..read.run import Run, empty_table, kind_mask, one_batch
+from ..read.run import Run, empty_table, kind_mask
 from .calibration import Measurements, Samples, Tails, calibrated, calibrated_low, keys, lost_below, still_lost
 from .step_rows import StepRows
 from .underflow import UPPER_SHARE, cumulative_below, underflow_bounds, with_measured
@@ -113,8 +113,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
     # carried from their samples, the next is prepared (the stages share no state: _Accumulator).
     with ThreadPoolExecutor(1, thread_name_prefix="ampdoctor-scan") as carrier:
         carried = None
-        for group in run.batch_groups(read, batch_rows=batch_rows, group_rows=group_rows):
-            batch = one_batch(group)
+        for batch, sizes in run.batch_groups(read, batch_rows=batch_rows, group_rows=group_rows):
             is_step = kind_mask(batch.column("kind"), ["step"])
             steps = batch.filter(is_step)
             if steps.num_rows:
@@ -122,7 +121,7 @@ def scan_layers(run: Run, amp: FloatFormat, *, min_exp: int, bins: int,
             layer = kind_mask(batch.column("kind"), list(LAYER_KINDS)).to_numpy(zero_copy_only=False)
             if layer.any():
                 # (each read batch's rows among them: the sums per layer add up batch by batch)
-                ends = np.cumsum(layer)[np.cumsum([b.num_rows for b in group]) - 1]
+                ends = np.cumsum(layer)[np.cumsum(sizes) - 1]
                 prepared = acc.prepare(batch, amp, min_exp, bins, first_step, width, ends=ends,
                                        rows=np.flatnonzero(layer))
                 if carried is not None:

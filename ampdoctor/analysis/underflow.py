@@ -231,10 +231,33 @@ class UnderflowModel:
         x = np.asarray(x_log2, dtype=np.float64)
         if self.drift_log2 is not None:
             x = x - (self.drift_log2 if x.ndim == 1 else self.drift_log2[:, None])
-        cut = self.cut_log2 if x.ndim == 1 else self.cut_log2[:, None]
-        at_cut = self.at_cut if x.ndim == 1 else self.at_cut[:, None]
-        below_cut = self.below_cut if x.ndim == 1 else self.below_cut[:, None]
-        under = at_cut * self._below_share(np.minimum(x - cut, 0.0))
+        if x.ndim == 2:
+            under = self._under(x, self.cut_log2[:, None], self.at_cut[:, None])
+            return np.where(x <= self.cut_log2[:, None], under, self._over(x, None))
+        # One cut-off per observation (the light rows of a whole run pass here): each takes one
+        # branch, computed only where it is taken (element by element the same values).
+        low = x <= self.cut_log2
+        at = np.flatnonzero(low)
+        if len(at) == len(x):
+            return self._under(x, self.cut_log2, self.at_cut)
+        if not len(at):
+            return self._over(x, None)
+        out = np.empty(len(x))
+        out[at] = self._under(x[at], self.cut_log2[at], self.at_cut[at], at)
+        high = np.flatnonzero(~low)
+        out[high] = self._over(x[high], high)
+        return out
+
+    def _under(self, x: np.ndarray, cut: np.ndarray, at_cut: np.ndarray, at: np.ndarray | None = None) -> np.ndarray:
+        """``lost`` at or below the recorded cut-off (``at``: of these observations; ``cut`` and
+        ``at_cut`` theirs, shaped like ``x``)."""
+        return at_cut * self._below_share(np.minimum(x - cut, 0.0), at)
+
+    def _over(self, x: np.ndarray, at: np.ndarray | None) -> np.ndarray:
+        """``lost`` above the recorded cut-off (``at``: of these observations, ``x`` 1-d; None: all)."""
+        cut, at_cut, below_cut = (_pick(v, x.ndim == 2, at) for v in (self.cut_log2, self.at_cut, self.below_cut))
+        # (the observations' rows of the cumsum, read in place)
+        rows = self.rows if at is None else (at if self.rows is None else self.rows[at])
         # The recorded values lie on the format's grid at the recorded scale: near the cut-off u
         # (half the smallest subnormal) a recorded value r stands for the true values within u of
         # it (the subnormals' spacing is 2u), so the true values below x are the recorded ones
@@ -242,24 +265,29 @@ class UnderflowModel:
         # Further up u is negligible against the values.
         with np.errstate(over="ignore"):
             shifted = np.log2(np.exp2(x) + np.exp2(cut))
-        over = at_cut + np.maximum(cumulative_below(self.cumsum, shifted, self.min_exp, self.rows) - below_cut, 0.0)
-        return np.where(x <= cut, under, over)
+        return at_cut + np.maximum(cumulative_below(self.cumsum, shifted, self.min_exp, rows) - below_cut, 0.0)
 
-    def _below_share(self, offset: np.ndarray) -> np.ndarray:
+    def _below_share(self, offset: np.ndarray, at: np.ndarray | None = None) -> np.ndarray:
         """Of the elements lost at the cut-off, the share still lost ``-offset`` binades below it:
-        the measured tail's, else 2^offset (a flat density near zero)."""
+        the measured tail's, else 2^offset (a flat density near zero). ``at``: of these
+        observations (``offset`` 1-d)."""
         flat = np.exp2(offset)
         if self.tail is None:
             return flat
         two_d = offset.ndim == 2
-        tail_cut = self.tail_cut[:, None] if two_d else self.tail_cut
-        at = self.tail_at_cut[:, None] if two_d else self.tail_at_cut
-        clean = self.tail[:, -1][:, None] if two_d else self.tail[:, -1]
-        noise = self.tail_noise[:, None] if two_d else self.tail_noise
+        tail_cut, at_tail_cut, clean, noise = (_pick(v, two_d, at) for v in (self.tail_cut, self.tail_at_cut,
+                                                                             self.tail[:, -1], self.tail_noise))
         total = clean + noise
-        below = cumulative_below(self.tail, tail_cut + offset, self.min_exp)
+        below = cumulative_below(self.tail, tail_cut + offset, self.min_exp, at)
         # Elements lost above the cut-off underflowed upstream (their own magnitude is larger):
         # they come back as the scale lifts what fed them, taken as a flat density (2^offset); so
         # do those whose magnitude was rounding noise (Tails).
-        share = below + (clean - at + noise) * flat
+        share = below + (clean - at_tail_cut + noise) * flat
         return np.where(total > 0, np.divide(share, total, out=np.zeros_like(share), where=total > 0), flat)
+
+
+def _pick(values: np.ndarray, two_d: bool, at: np.ndarray | None) -> np.ndarray:
+    """Per-observation ``values`` against an [n, g] argument (``two_d``), or those of ``at``."""
+    if two_d:
+        return values[:, None]
+    return values if at is None else values[at]

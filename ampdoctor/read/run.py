@@ -139,12 +139,15 @@ class Run:
         return read_ahead(self._segment_batches(columns, kinds, batch_rows, present))
 
     def batch_groups(self, columns: Sequence[str], kinds: Sequence[str] | None = None, batch_rows: int = 1 << 16,
-                     group_rows: int = 1 << 18, present: str | None = None) -> Iterator[list[pa.RecordBatch]]:
+                     group_rows: int = 1 << 18, present: str | None = None
+                     ) -> Iterator[tuple[pa.RecordBatch, list[int]]]:
         """The batches of :meth:`batches`, in consecutive groups of at least ``group_rows`` rows
-        (the last one less): a run of many small segments in few groups, for a caller whose cost
-        is per call while its results must not depend on how the rows were grouped (it sees each
-        batch's bounds). :func:`one_batch` joins a group."""
-        return read_ahead(self._grouped(columns, kinds, batch_rows, group_rows, present))
+        (the last one less), each joined into one batch (:func:`one_batch`, on the reading
+        thread) with the sizes of the batches it joins: a run of many small segments in few
+        groups, for a caller whose cost is per call while its results must not depend on how the
+        rows were grouped (it sees each batch's bounds)."""
+        groups = self._grouped(columns, kinds, batch_rows, group_rows, present)
+        return read_ahead((one_batch(group), [b.num_rows for b in group]) for group in groups)
 
     def _grouped(self, columns, kinds, batch_rows, group_rows, present) -> Iterator[list[pa.RecordBatch]]:
         held: list[pa.RecordBatch] = []
