@@ -76,21 +76,28 @@ def _changed(cfg: ScalerConfig, base: ScalerConfig) -> int:
     return sum(getattr(cfg, k) != getattr(base, k) for k in TORCH_SETTINGS)
 
 
+def replayed(prepared: Replay, current: ScalerConfig | None) -> tuple[list[Outcome], Outcome]:
+    """The candidates' outcomes and the run's own scaler's (what :func:`recommend` weighs): the
+    bulk of its work, apart so that a caller may run it beside other work."""
+    return replay(prepared, candidates(current), passes=2), replay(prepared, [current or ScalerConfig()])[0]
+
+
 def recommend(prepared: Replay, current: ScalerConfig | None, actual: dict, *, device: str = "cuda",
               settle_step: int | None = None, worst_modules: list[str] | None = None,
               hot_activations: list[tuple[str, float]] | None = None, outside: list[str] | None = None,
-              scaler_class: str | None = None, framework: str | None = None) -> dict:
+              scaler_class: str | None = None, framework: str | None = None,
+              outcomes: tuple[list[Outcome], Outcome] | None = None) -> dict:
     """The recommendation section of the report contract. ``current`` is None for a run whose
     scaler was disabled (bf16/fp32): then the question is whether fp16 would work at all.
     ``outside``: for overflow origins outside the tapped modules, the module whose output gradient
     each reached first. ``scaler_class``, ``framework``: the run's (metadata ``scaler.class``,
     ``scaler.framework``), so that the line to paste constructs the run's own scaler class, or
-    sets it through the framework's own arguments."""
+    sets it through the framework's own arguments. ``outcomes``: :func:`replayed`'s, where the
+    caller has them."""
     series = prepared.series
     n = len(series)
     base = current or ScalerConfig()
-    outcomes = replay(prepared, candidates(current), passes=2)
-    baseline = replay(prepared, [base])[0]
+    outcomes, baseline = outcomes or replayed(prepared, current)
     same_format = series.fmt.name == prepared.target.name
     # The share of the range that is the drift between samples (not zeros of unknown nature): a
     # smaller every= narrows it; the verdict is `unknown` only for undecided zeros.

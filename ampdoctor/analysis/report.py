@@ -9,6 +9,7 @@ The rows of the anomalous steps are read for the origins; the rest comes from :f
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pandas as pd
@@ -19,7 +20,7 @@ from ..run_file.schema import SCALER_META, META_DEVICE, META_SCALER_CLASS, META_
 from .findings import Finding
 from .layers import layer_records, module_type, module_types, sort_layers
 from .origins import origin_counts
-from .recommend import recommend
+from .recommend import recommend, replayed
 from .replay import actual_outcome
 from .run_analysis import Analysis, analyse
 from .steps import StepSeries
@@ -42,7 +43,16 @@ def report_data(run: Run | Analysis) -> dict:
     layers = sort_layers(a.scan.layers) if not a.scan.empty else a.scan.layers
     if a.scan.empty:
         missing["layers"] = Finding("no_layer_rows")
-    origins = rank_origins(a, warnings) if len(a.series) else []
+    replays = None
+    # The origins' rows are a query of the engine (its own threads, the GIL released): the scaler
+    # candidates are replayed meanwhile (recommend's bulk, which needs the origins only for advice).
+    with ThreadPoolExecutor(1, thread_name_prefix="ampdoctor-origins") as pool:
+        found: list = []
+        origins_job = pool.submit(rank_origins, a, found) if len(a.series) else None
+        if a.prepared is not None and len(a.series) >= 2:
+            replays = replayed(a.prepared, a.current)
+        origins = origins_job.result() if origins_job is not None else []
+    warnings.extend(found)
     disagreement = rank_disagreement(a.scan.step_rows)
     if disagreement:
         warnings.append(disagreement)
@@ -60,7 +70,7 @@ def report_data(run: Run | Analysis) -> dict:
                                    settle_step=_settle_count(a.series), worst_modules=worst,
                                    hot_activations=hot, outside=outside,
                                    scaler_class=a.run.metadata.get(META_SCALER_CLASS),
-                                   framework=a.run.metadata.get(META_SCALER_FRAMEWORK))
+                                   framework=a.run.metadata.get(META_SCALER_FRAMEWORK), outcomes=replays)
         warnings.extend(a.prepared.notes)
     return {
         "run": _run_info(a),
