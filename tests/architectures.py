@@ -256,13 +256,27 @@ def lstm() -> Arch:
     return Arch("lstm", model, loss)
 
 
+def llama() -> Arch:
+    """A LLaMA-style decoder (RMSNorm, SwiGLU, rotary positions), for the block formats' tests."""
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+
+    def loss(m, step):
+        ids = _tokens(step, (2, 12), cfg.vocab_size)
+        return m(input_ids=ids, labels=ids).loss
+
+    return Arch("llama", model, loss)
+
+
 HF = {"gpt2": gpt2, "t5": t5, "vit": vit, "bert": bert}
 PLAIN = {"relu_mlp": relu_mlp, "cnn": cnn, "nanogpt": nanogpt, "lstm": lstm}
+MORE = {"llama": llama}  # (not in the underflow tests' parametrisations)
 
 
 def build(name: str, seed: int = 0) -> Arch:
     torch.manual_seed(seed)
-    return {**HF, **PLAIN}[name]()
+    return {**HF, **PLAIN, **MORE}[name]()
 
 
 def amp_grads(arch: Arch, step: int, scale: float, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:

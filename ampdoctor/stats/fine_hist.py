@@ -58,8 +58,20 @@ def _bincount(index: torch.Tensor) -> torch.Tensor:
 
 
 def _sorted_count(index: torch.Tensor) -> torch.Tensor:
-    """The counts of each bin from the sorted indices: where each bin's run begins
-    (``searchsorted``), differenced. No atomics, no sync, static shapes (accelerators)."""
-    ordered = torch.sort(index).values
-    edges = torch.arange(FINE_BINS + 1, dtype=index.dtype, device=index.device)
-    return torch.searchsorted(ordered, edges).diff().to(torch.int64)
+    return count_bins(index, FINE_BINS)
+
+
+def count_bins(index: torch.Tensor, bins: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[bins]``: how many of ``index`` (each in ``[0, bins)``) fall in each bin, or the sum
+    of their integer ``weights``. On the CPU ``bincount``; elsewhere from the sorted indices: where
+    each bin's run begins (``searchsorted``), differenced (no atomics, no sync, static shapes)."""
+    if _on_host(index):
+        if weights is None:
+            return torch.bincount(index, minlength=bins)
+        return torch.bincount(index, weights.to(torch.float64), minlength=bins).to(torch.int64)
+    ordered, order = torch.sort(index)
+    edges = torch.searchsorted(ordered, torch.arange(bins + 1, dtype=index.dtype, device=index.device))
+    if weights is None:
+        return edges.diff().to(torch.int64)
+    total = torch.cat([weights.new_zeros(1), weights[order].cumsum(0)]).to(torch.int64)
+    return total[edges].diff()

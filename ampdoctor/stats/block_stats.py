@@ -1,0 +1,142 @@
+"""A GEMM operand's block statistics on the device: what MXFP8, MXFP4 and NVFP4 would make of it
+(docs/numerics.md, block formats; the bins: :mod:`ampdoctor.run_file.block_bins`).
+
+Blocks run along the tensor's last dimension, the reduction dimension of the GEMM each operand
+is read for first (a Linear's input and weight in the forward, its output gradient in the input
+gradient's GEMM); a last dimension that is not a multiple of the block is padded with zeros, as
+the recipes pad it (zeros change no block's amax and are not counted).
+
+Device work per operand: one float32 copy, the block amaxes (MX and NVFP4), the tensor amax, a few
+elementwise passes per recipe (its scaled elements and their cast, summed: the measured figures)
+and three counts per bin (on the CPU ``bincount``; on accelerators a sort and
+``searchsorted``, :func:`~ampdoctor.stats.fine_hist.count_bins`). Deterministic; no sync: the
+tensor amax stays on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..run_file.block_bins import (E4M3_EPS, ELEMENTS, EXP_BINS, EXP_RANGE, KEY_SHIFT, MX_BLOCK, MX_CLASSES,
+                                   NV_BLOCK, NV_TENSOR_DIVISOR, PER_BINADE, Q_BINS, Q_WINDOW, RATIO_BINS, RATIO_WINDOW,
+                                   RECIPES, REL_BINS, REL_WINDOW)
+from .fine_hist import count_bins
+
+
+@dataclass
+class BlockStats:
+    """int64 device tensors (see :mod:`ampdoctor.run_file.block_bins`)."""
+
+    mx_rel: torch.Tensor      # [3, REL_BINS]: nonzero elements by their block's class and rel
+    mx_blocks: torch.Tensor   # [2, 3, EXP_BINS]: blocks, then their nonzero elements, by class and exponent
+    nv_q: torch.Tensor        # [Q_BINS]: nonzero elements by q
+    nv_ratio: torch.Tensor    # [RATIO_BINS]: blocks by amax_block / amax_tensor
+    nv_clamped: torch.Tensor  # [2]: blocks whose scale was clamped up, their nonzero elements
+    mx_above: torch.Tensor    # [2]: elements whose rel exceeds 1.5, 1.75 (saturated under a floor scale)
+    nv_saturated: torch.Tensor  # 0-dim: elements whose q exceeds 6
+    measured: torch.Tensor    # float64 [len(RECIPES), 4]: per recipe, flushed and saturated elements,
+                              # sum (q - Q(q))^2 and sum q^2, cast as torchao casts
+    nonzero: torch.Tensor     # 0-dim: nonzero elements
+
+
+def block_stats(tensor: torch.Tensor) -> BlockStats:
+    """The block statistics of ``tensor`` (any float dtype; non-finite values are not meant: the
+    caller observes finite operands). No sync."""
+    with torch.no_grad():
+        x = tensor.detach().float().abs()
+        x = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+        nonzero = (x != 0).sum()
+        rel, blocks, above, mx_measured = _mx(x)
+        q, ratio, clamped, saturated, nv_measured = _nvfp4(x)
+    return BlockStats(rel, blocks, q, ratio, clamped, above, saturated, torch.stack([*mx_measured, nv_measured]),
+                      nonzero)
+
+
+def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` [rows, k] as [rows · ceil(k / size), size], padded with zeros."""
+    pad = (-x.shape[1]) % size
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(-1, size)
+
+
+def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    b = _blocks(x, MX_BLOCK)
+    amax = b.amax(dim=1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa · 2^exponent, mantissa in [0.5, 1)
+    floor = (exponent - 1).clamp(EXP_RANGE[0], EXP_RANGE[1])  # floor(log2 amax) (any of a zero block)
+    klass = sum(((2 * mantissa) > m).to(torch.int64) for m in MX_CLASSES)
+    # |x| / 2^floor, exact (a power of two; blocks below 2^-126 are scaled as at 2^-126: they are
+    # the clamped-scale blocks, counted apart)
+    rel = b * torch.exp2(-floor.clamp(min=-126).float())[:, None]
+    present = b != 0
+    index = _window(rel, REL_WINDOW) + (klass * REL_BINS)[:, None]
+    mx_rel = count_bins(index[present], 3 * REL_BINS).reshape(3, REL_BINS)
+    cell = klass * EXP_BINS + (floor - EXP_RANGE[0])
+    counts = present.sum(dim=1)
+    per_block = count_bins(cell, 3 * EXP_BINS, weights=(amax > 0).to(torch.int64))
+    per_element = count_bins(cell, 3 * EXP_BINS, weights=counts)
+    # (saturation is a threshold on rel that ties at it decide: counted exactly, not from the bins)
+    above = torch.stack([(rel > m).sum() for m in MX_CLASSES])
+    measured = [_measure(b, _mx_scaled(b, mantissa, exponent - 1, element, scale), element)
+                for _, element, scale in RECIPES if scale != "nvfp4"]
+    return mx_rel, torch.stack([per_block, per_element]).reshape(2, 3, EXP_BINS), above, measured
+
+
+def _mx_scaled(b: torch.Tensor, mantissa: torch.Tensor, floor: torch.Tensor, element: str, scale: str) -> torch.Tensor:
+    """The blocks in their E8M0 scale's units, as torchao's ``to_mx`` scales them: floor, its scale
+    raised to float32's smallest normal; round-up (RCEIL), the reciprocal of its scale, 1 for the
+    smallest (2^-127)."""
+    emax = math.floor(math.log2(ELEMENTS[element][2]))
+    top = ELEMENTS[element][2] / 2.0 ** emax
+    if scale == "floor":
+        return b / torch.clamp(torch.exp2((floor - emax).clamp(min=-127).float()), min=2.0 ** -126)[:, None]
+    biased = (floor - emax + ((2 * mantissa) > top).to(floor.dtype)).clamp(-127, 127) + 127
+    return b * torch.where(biased == 0, 1.0, torch.exp2((127 - biased).float()))[:, None]
+
+
+def _measure(b: torch.Tensor, q: torch.Tensor, element: str) -> torch.Tensor:
+    """float64 [4]: flushed and saturated nonzero elements, sum (q - Q)^2, sum q^2."""
+    cast = _cast(q, element)
+    present = b != 0
+    return torch.stack([(present & (cast == 0)).sum().double(), (q > ELEMENTS[element][2]).sum().double(),
+                        ((q - cast).double() ** 2).sum(), (q.double() ** 2).sum()])
+
+
+def _cast(q: torch.Tensor, element: str) -> torch.Tensor:
+    """Non-negative ``q`` cast to the element format (nearest, ties to even, saturating), as float32."""
+    fmax = ELEMENTS[element][2]
+    q = q.clamp(max=fmax)
+    if element == "e2m1":  # (spacing 0.5 below 2, 1 below 4, 2 up to 6; torch.round: ties to even)
+        return torch.where(q < 2, torch.round(q * 2) / 2, torch.where(q < 4, torch.round(q), torch.round(q / 2) * 2))
+    return q.to(torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2).float()
+
+
+def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As torchao's ``nvfp4_quantize`` with a per-tensor scale from the tensor's amax."""
+    b = _blocks(x, NV_BLOCK)
+    amax = b.amax(dim=1)
+    tensor_amax = amax.max()
+    tensor_scale = tensor_amax / NV_TENSOR_DIVISOR
+    scaled = (amax / 6.0) / tensor_scale
+    clamped = scaled < E4M3_EPS
+    block_scale = torch.clamp(scaled, min=E4M3_EPS, max=448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    q = b * ((1.0 / tensor_scale) / block_scale)[:, None]
+    present = b != 0
+    nv_q = count_bins(_window(q, Q_WINDOW)[present], Q_BINS)
+    seen = amax > 0
+    nv_ratio = count_bins(_window(amax / tensor_amax, RATIO_WINDOW)[seen], RATIO_BINS)
+    blocks = clamped & seen
+    nv_clamped = torch.stack([blocks.sum(), (present & blocks[:, None]).sum()])
+    # (a block's amax lands on 6 exactly whenever its E4M3 scale is exact: counted, not binned)
+    return nv_q, nv_ratio, nv_clamped, (q > 6.0).sum(), _measure(b, q, "e2m1")
+
+
+def _window(values: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """int64 window bins of non-negative float32 ``values`` (run_file.block_bins.window_index)."""
+    low, high = window
+    key = (values.view(torch.int32) >> KEY_SHIFT).to(torch.int64)
+    return (key - ((low + 127) << 3) + 1).clamp(0, (high - low) * PER_BINADE + 1)
