@@ -188,3 +188,16 @@ def test_blocks_whose_scale_is_clamped_bound_the_flushed_share():
     assert p.clamped_blocks == m.clamped_blocks == 0.5
     assert p.flushed <= t.flushed <= p.flushed_max and p.flushed_max > p.flushed
     assert (m.flushed, m.saturated) == (t.flushed, t.saturated)
+
+
+def test_the_accelerators_counts_are_the_cpus(monkeypatch):
+    """On accelerators the counts come from a sort (stats.fine_hist.count_bins): the same counts."""
+    from ampdoctor.stats import fine_hist
+
+    torch.manual_seed(7)
+    x = torch.randn(16, 80) * torch.exp(torch.randn(16, 80) * 3)
+    on_cpu = block_stats(x)
+    monkeypatch.setattr(fine_hist, "_on_host", lambda t: False)
+    sorted_ = block_stats(x)
+    for field in ("mx_rel", "mx_blocks", "nv_q", "nv_ratio", "nv_clamped", "mx_above", "nv_saturated", "measured"):
+        assert torch.equal(getattr(on_cpu, field), getattr(sorted_, field)), field

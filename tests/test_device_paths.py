@@ -448,3 +448,20 @@ def test_a_parameter_whose_dtype_changes_mid_run_is_regrouped(tmp_path):
     scaler.close()
     rows = read_run(path).frame.query("kind == 'param_grad'")
     assert set(rows.query("step < 3").dtype) == {"float32"} and set(rows.query("step >= 4").dtype) == {"float64"}
+
+
+def test_block_statistics_on_cuda_neither_sync_nor_use_atomics():
+    """Issue 42: the block statistics of a GEMM operand (stats.block_stats) on an accelerator:
+    counts by sorting (no bincount, no atomics), no boolean selection (its size would be read on
+    the host), the tensor amax kept on the device."""
+    from ampdoctor.run_file.block_bins import EXP_BINS, Q_BINS, RATIO_BINS, RECIPES, REL_BINS
+    from ampdoctor.stats.block_stats import block_stats
+
+    with FakeTensorMode():
+        x = torch.randn(64, 100, device="cuda", dtype=torch.bfloat16)
+        with OpCounter() as counter:
+            stats = block_stats(x)
+    assert not FORBIDDEN & set(counter.ops), FORBIDDEN & set(counter.ops)
+    assert stats.mx_rel.shape == (3, REL_BINS) and stats.mx_blocks.shape == (2, 3, EXP_BINS)
+    assert stats.nv_q.shape == (Q_BINS,) and stats.nv_ratio.shape == (RATIO_BINS,)
+    assert stats.measured.shape == (len(RECIPES), 4) and stats.mx_rel.device.type == "cuda"

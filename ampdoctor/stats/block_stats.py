@@ -71,10 +71,10 @@ def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
     klass = sum(((2 * mantissa) > m).to(torch.int64) for m in MX_CLASSES)
     # |x| / 2^floor, exact (a power of two; blocks below 2^-126 are scaled as at 2^-126: they are
     # the clamped-scale blocks, counted apart)
-    rel = b * torch.exp2(-floor.clamp(min=-126).float())[:, None]
+    rel = b * torch.exp2(-floor.clamp(min=-126).float()).unsqueeze(1)
     present = b != 0
-    index = _window(rel, REL_WINDOW) + (klass * REL_BINS)[:, None]
-    mx_rel = count_bins(index[present], 3 * REL_BINS).reshape(3, REL_BINS)
+    index = _window(rel, REL_WINDOW) + (klass * REL_BINS).unsqueeze(1)
+    mx_rel = _count_where(index, present, 3 * REL_BINS).reshape(3, REL_BINS)
     cell = klass * EXP_BINS + (floor - EXP_RANGE[0])
     counts = present.sum(dim=1)
     per_block = count_bins(cell, 3 * EXP_BINS, weights=(amax > 0).to(torch.int64))
@@ -93,9 +93,10 @@ def _mx_scaled(b: torch.Tensor, mantissa: torch.Tensor, floor: torch.Tensor, ele
     emax = math.floor(math.log2(ELEMENTS[element][2]))
     top = ELEMENTS[element][2] / 2.0 ** emax
     if scale == "floor":
-        return b / torch.clamp(torch.exp2((floor - emax).clamp(min=-127).float()), min=2.0 ** -126)[:, None]
+        return b / torch.clamp(torch.exp2((floor - emax).clamp(min=-127).float()), min=2.0 ** -126).unsqueeze(1)
     biased = (floor - emax + ((2 * mantissa) > top).to(floor.dtype)).clamp(-127, 127) + 127
-    return b * torch.where(biased == 0, 1.0, torch.exp2((127 - biased).float()))[:, None]
+    reciprocal = torch.exp2((127 - biased).float())
+    return b * reciprocal.masked_fill(biased == 0, 1.0).unsqueeze(1)
 
 
 def _measure(b: torch.Tensor, q: torch.Tensor, element: str) -> torch.Tensor:
@@ -124,15 +125,21 @@ def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     scaled = (amax / 6.0) / tensor_scale
     clamped = scaled < E4M3_EPS
     block_scale = torch.clamp(scaled, min=E4M3_EPS, max=448.0).to(torch.float8_e4m3fn).to(torch.float32)
-    q = b * ((1.0 / tensor_scale) / block_scale)[:, None]
+    q = b * ((1.0 / tensor_scale) / block_scale).unsqueeze(1)
     present = b != 0
-    nv_q = count_bins(_window(q, Q_WINDOW)[present], Q_BINS)
+    nv_q = _count_where(_window(q, Q_WINDOW), present, Q_BINS)
     seen = amax > 0
-    nv_ratio = count_bins(_window(amax / tensor_amax, RATIO_WINDOW)[seen], RATIO_BINS)
+    nv_ratio = _count_where(_window(amax / tensor_amax, RATIO_WINDOW), seen, RATIO_BINS)
     blocks = clamped & seen
-    nv_clamped = torch.stack([blocks.sum(), (present & blocks[:, None]).sum()])
+    nv_clamped = torch.stack([blocks.sum(), (present & blocks.unsqueeze(1)).sum()])
     # (a block's amax lands on 6 exactly whenever its E4M3 scale is exact: counted, not binned)
     return nv_q, nv_ratio, nv_clamped, (q > 6.0).sum(), _measure(b, q, "e2m1")
+
+
+def _count_where(index: torch.Tensor, where: torch.Tensor, bins: int) -> torch.Tensor:
+    """The counts of ``index`` where ``where`` holds: the others go to one more bin, dropped (a
+    boolean selection's size depends on the data: on an accelerator, a sync)."""
+    return count_bins(index.masked_fill(where.logical_not(), bins).reshape(-1), bins + 1).narrow(0, 0, bins)
 
 
 def _window(values: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:

@@ -73,5 +73,5 @@ def count_bins(index: torch.Tensor, bins: int, weights: torch.Tensor | None = No
     edges = torch.searchsorted(ordered, torch.arange(bins + 1, dtype=index.dtype, device=index.device))
     if weights is None:
         return edges.diff().to(torch.int64)
-    total = torch.cat([weights.new_zeros(1), weights[order].cumsum(0)]).to(torch.int64)
-    return total[edges].diff()
+    total = torch.cat([weights.new_zeros(1), weights.index_select(0, order).cumsum(0)]).to(torch.int64)
+    return total.index_select(0, edges).diff()
