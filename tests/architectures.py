@@ -51,16 +51,21 @@ def _images(step: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=gen)
 
 
+def _causal_lm(name: str, model: nn.Module) -> Arch:
+    """A causal language model's loss on its own next tokens (``labels=`` the inputs)."""
+    vocab = model.config.vocab_size
+
+    def loss(m, step):
+        ids = _tokens(step, (2, 12), vocab)
+        return m(input_ids=ids, labels=ids).loss
+
+    return Arch(name, model, loss)
+
+
 def gpt2() -> Arch:
     cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=16,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
-
-    def loss(m, step):
-        ids = _tokens(step, (2, 12), cfg.vocab_size)
-        return m(input_ids=ids, labels=ids).loss
-
-    return Arch("gpt2", model, loss)
+    return _causal_lm("gpt2", transformers.GPT2LMHeadModel(cfg))
 
 
 def t5() -> Arch:
@@ -260,13 +265,7 @@ def llama() -> Arch:
     """A LLaMA-style decoder (RMSNorm, SwiGLU, rotary positions), for the block formats' tests."""
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    model = transformers.LlamaForCausalLM(cfg)
-
-    def loss(m, step):
-        ids = _tokens(step, (2, 12), cfg.vocab_size)
-        return m(input_ids=ids, labels=ids).loss
-
-    return Arch("llama", model, loss)
+    return _causal_lm("llama", transformers.LlamaForCausalLM(cfg))
 
 
 HF = {"gpt2": gpt2, "t5": t5, "vit": vit, "bert": bert}
