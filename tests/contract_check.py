@@ -48,7 +48,7 @@ FP8_CONTRACT = {
                          "saturated_mean": (float, type(None)), "saturated_max": (float, type(None)),
                          "clipped_passes": int, "clipped_steps": [int]}]}]}],
     "keep": [str], "ready": [str], "unknown": [str], "not_called": [str], "module_filter_fn": (str, type(None)),
-    "shortest_history": (int, type(None)), "limits": [str],
+    "te_debug_config": (str, type(None)), "shortest_history": (int, type(None)), "limits": [str],
 }
 
 def check_contract(value, spec, where="$"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -358,6 +359,14 @@ def test_the_module_filter_fn_is_python_that_leaves_out_exactly_the_kept_layers(
     # not a substring match (torchao's own filter_fqns is one): blocks.10.mlp stays converted
     assert fn(None, "blocks.10.mlp") is True and fn(None, "blocks.1") is True and fn(None, "") is True
     assert fn(None, "stem") is True  # (no recipe converts a convolution: nothing to leave out)
+    # TransformerEngine's debug config: YAML whose one section disables FP8 on exactly those layers
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load(data["te_debug_config"])
+    section = config["ampdoctor_keep_out_of_fp8"]
+    assert section["enabled"] is True and section["transformer_engine"] == {"DisableFP8Layer": {"enabled": True}}
+    pattern = re.compile(section["layers"]["layer_name_regex_pattern"])
+    matched = [n for n in names + ["blocks.1", "blocks.1.mlp.fc", ""] if pattern.search(n)]
+    assert matched == ["blocks.1.mlp", "odd'name"]  # (stem: a convolution, which TransformerEngine leaves)
 
 
 # -- delayed scaling: windows, shortest history, non-finite amaxes ------------------------------------------

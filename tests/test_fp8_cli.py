@@ -20,6 +20,7 @@ from torch import nn
 import ampdoctor
 from ampdoctor.run_file import schema
 from ampdoctor.cli.commands import main
+from ampdoctor.analysis.fp8 import te_debug_config
 from ampdoctor.errors import RunError
 from ampdoctor.render.fp8 import render_fp8
 from contract_check import FP8_CONTRACT, check_contract
@@ -107,7 +108,8 @@ def example_fp8_data() -> dict:
         "flush_limit": 0.01, "histories": list(HISTORIES), "formats": {"e4m3": dict(E4M3), "e5m2": dict(E5M2)},
         "layers": layers,
         "keep": ["head"], "ready": ["stem", "blocks.0.attn.qkv"], "unknown": ["blocks.0.mlp.fc2"], "not_called": [],
-        "module_filter_fn": "lambda mod, fqn: fqn not in {'head'}", "shortest_history": 16,
+        "module_filter_fn": "lambda mod, fqn: fqn not in {'head'}", "te_debug_config": te_debug_config(["head"]),
+        "shortest_history": 16,
         "limits": ["per_block_formats", "convolutions_not_converted", "several_calls_per_step"],
     }
 
@@ -215,6 +217,7 @@ def test_nothing_to_keep_and_no_history(data):
     for layer in data["layers"]:
         layer["verdict"], layer["reasons"] = "unknown", []
     data.update(keep=[], ready=[], unknown=[layer["name"] for layer in data["layers"]], module_filter_fn=None,
+                te_debug_config=None,
                 shortest_history=None, limits=["per_block_formats", "no_sampled_steps"])
     out = _flat(render_fp8(data, "text"))
     assert "`convert_to_float8_training(model)`" in out and "Nothing to keep out" in out
@@ -275,6 +278,25 @@ def test_cli_formats_and_options(stand_in, params_run, tmp_path):
     assert result.exit_code == 0 and out.read_text().startswith("<!DOCTYPE html>")
     md = cli.invoke(main, ["fp8", str(params_run), "--format", "md"])
     assert md.exit_code == 0 and md.output.startswith("# ampdoctor fp8")
+
+
+def test_cli_writes_the_transformer_engine_config(stand_in, params_run, tmp_path):
+    """``--te-config FILE``: the debug API's YAML beside the output; nothing to keep, no file."""
+    yaml = pytest.importorskip("yaml")
+    path = tmp_path / "keep.yaml"
+    result = CliRunner().invoke(main, ["fp8", str(params_run), "--format", "json", "--te-config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["te_debug_config"] == path.read_text()
+    assert f"Wrote {path}" in result.stderr
+    section = yaml.safe_load(path.read_text())["ampdoctor_keep_out_of_fp8"]
+    assert section["transformer_engine"] == {"DisableFP8Layer": {"enabled": True}} and section["enabled"] is True
+    stand_in.fp8_data = lambda run, *, flush_limit=0.01: {**example_fp8_data(), "keep": [], "te_debug_config": None}
+    other = tmp_path / "none.yaml"
+    result = CliRunner().invoke(main, ["fp8", str(params_run), "--format", "json", "--te-config", str(other)])
+    assert result.exit_code == 0 and not other.exists() and "Nothing to keep out of FP8" in result.stderr
+    stand_in.fp8_data = lambda run, *, flush_limit=0.01: example_fp8_data()
+    result = CliRunner().invoke(main, ["fp8", str(params_run), "--te-config", str(tmp_path / "no" / "dir.yaml")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "cannot write" in result.output
 
 
 @pytest.mark.parametrize("bad", ["0", "1", "-0.1", "1.5", "x"])

@@ -22,6 +22,8 @@ No torch is imported: reading a run needs none.
 
 from __future__ import annotations
 
+import re
+
 from typing import Mapping
 
 import numpy as np
@@ -132,9 +134,28 @@ def passes_data(p: Passes | None, metadata: Mapping[str, str] | None = None, *,
         "not_called": not_called,
         "module_filter_fn": ("lambda mod, fqn: fqn not in {" + ", ".join(repr(n) for n in kept) + "}"
                              if kept else None),
+        "te_debug_config": te_debug_config(kept) if kept else None,
         "shortest_history": max(histories) if histories else None,
         "limits": limits,
     }
+
+
+def te_debug_config(names: list[str]) -> str:
+    """TransformerEngine's debug API config (the YAML that ``debug_api.initialize(config_file=)``
+    of nvdlfw-inspect reads) that keeps the layers ``names`` out of FP8: one section whose
+    ``DisableFP8Layer`` feature applies to a regular expression matching exactly those names (the
+    modules' fully qualified names, which TransformerEngine takes as its layers' names when it
+    infers them, ``debug_api.infer_and_assign_layer_names(model)``)."""
+    pattern = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+    quoted = "'" + pattern.replace("'", "''") + "'"  # (YAML's single quotes: backslashes stay as they are)
+    return ("# ampdoctor fp8: the layers to keep out of FP8 (TransformerEngine debug API)\n"
+            "ampdoctor_keep_out_of_fp8:\n"
+            "  enabled: True\n"
+            "  layers:\n"
+            f"    layer_name_regex_pattern: {quoted}\n"
+            "  transformer_engine:\n"
+            "    DisableFP8Layer:\n"
+            "      enabled: True\n")
 
 
 def _operand_data(p: Passes, c: Cells, j: int, s: int) -> tuple[dict, tuple]:

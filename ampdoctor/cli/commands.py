@@ -253,14 +253,33 @@ def postmortem(run: Run, fmt: str, output: str | None) -> None:
 @click.option("--top", type=click.IntRange(min=1), default=6, show_default=True,
               help="Rows of the delayed-scaling table in text and Markdown (the layers to keep first, then "
                    "the operands that need the longest history).")
+@click.option("--te-config", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
+              help="Also write TransformerEngine's debug API config (YAML) that keeps the layers to keep "
+                   "out of FP8.")
 @output_option
 @library_errors
-def fp8(run: Run, fmt: str, flush_limit: float, top: int, output: str | None) -> None:
+def fp8(run: Run, fmt: str, flush_limit: float, top: int, te_config: str | None, output: str | None) -> None:
     """FP8 readiness: which GEMM layers (Linear) can train in FP8 with TransformerEngine or torchao,
     which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling.
     Needs a run recorded with level='full' and model=."""
-    _emit(_command("fp8", run, analysis={"flush_limit": flush_limit}, fmt=fmt, color=output is None and _color(),
-                   top=top), output)
+    command = COMMANDS["fp8"]
+    data = command.analyse(run, flush_limit=flush_limit)
+    if te_config is not None:
+        _write_te_config(data.get("te_debug_config"), te_config)
+    _emit(command.render(data, fmt, color=output is None and _color(), top=top), output)
+
+
+def _write_te_config(config: str | None, path: str) -> None:
+    """``fp8 --te-config``: the config, or a word that there is nothing to keep out."""
+    if config is None:
+        click.echo(f"Nothing to keep out of FP8: {path} not written", err=True)
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(config)
+    except OSError as exc:
+        raise CliError(f"{path}: cannot write ({exc.strerror})") from None
+    click.echo(f"Wrote {path}", err=True)
 
 
 @main.command()

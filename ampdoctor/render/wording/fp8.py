@@ -150,7 +150,8 @@ def verdict(data: dict) -> str:
         out.append(f"Keep {_names(keep)} in {dtype}: {'it loses' if len(keep) == 1 else 'each loses'} more than "
                    f"{limit} of an operand's nonzero elements to flushing or saturation{why}.")
         out.append(f"With torchao: `{snippet(data)}`; with TransformerEngine, leave the same layers as "
-                   f"`torch.nn.Linear` (or run them under `te.fp8_autocast(enabled=False)`) and convert the others.")
+                   f"`torch.nn.Linear` (or run them under `te.fp8_autocast(enabled=False)`) and convert the others, "
+                   f"or keep them out through its debug API (`--te-config FILE` writes the config).")
     else:
         out.append(f"Nothing to keep out: with torchao, `{snippet(data)}`; with TransformerEngine, every Linear "
                    f"layer can become `te.Linear`.")
