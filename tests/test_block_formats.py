@@ -93,6 +93,9 @@ def test_zero_and_unaligned_operands():
     """An all-zero operand has no figures (NaN); a last dimension that is not a whole number of
     blocks is padded with zeros, as the casts pad it."""
     assert np.isnan(predict(host(torch.zeros(4, 32)), RECIPE["nvfp4"]).flushed)
+    for empty in (torch.zeros(4, 32), torch.zeros(4, 0), torch.zeros(0, 64)):  # (an expert without tokens)
+        stats = host(empty)
+        assert stats.nonzero == 0 and not np.isnan(stats.measured).any() and not stats.mx_rel.any()
     x = torch.randn(3, 40) * torch.exp(torch.randn(3, 40) * 4)
     stats = host(x)
     assert stats.nonzero == 120 and stats.mx_rel.sum() == 120 and stats.nv_q.sum() == 120

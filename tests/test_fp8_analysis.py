@@ -364,9 +364,13 @@ def test_the_module_filter_fn_is_python_that_leaves_out_exactly_the_kept_layers(
     config = yaml.safe_load(data["te_debug_config"])
     section = config["ampdoctor_keep_out_of_fp8"]
     assert section["enabled"] is True and section["transformer_engine"] == {"DisableFP8Layer": {"enabled": True}}
+    # (nvdlfw-inspect names the layers "model." and their qualified names, the model "model", and
+    # searches each name with the expression)
     pattern = re.compile(section["layers"]["layer_name_regex_pattern"])
-    matched = [n for n in names + ["blocks.1", "blocks.1.mlp.fc", ""] if pattern.search(n)]
-    assert matched == ["blocks.1.mlp", "odd'name"]  # (stem: a convolution, which TransformerEngine leaves)
+    inferred = ["model"] + ["model." + n for n in names + ["blocks.1", "blocks.1.mlp.fc"]]
+    matched = [n for n in inferred if pattern.search(n)]
+    assert matched == ["model.blocks.1.mlp", "model.odd'name"]  # (stem: a convolution, which TE leaves)
+    assert not pattern.search("blocks.1.mlp")  # (a bare qualified name is not a name nvdlfw-inspect gives)
 
 
 # -- delayed scaling: windows, shortest history, non-finite amaxes ------------------------------------------
@@ -588,3 +592,38 @@ def test_a_run_without_gemm_rows_is_a_one_line_run_error_that_says_what_to_do(tm
         fp8.frame_data(pd.DataFrame({c: [] for c in fp8.COLUMNS}), {META_LEVEL: "steps"})
     with pytest.raises(ValueError, match="flush_limit"):
         fp8.frame_data(_frame(_layer_rows("fc", {INPUT: [torch.ones(4)]})), flush_limit=1.5)
+
+
+def test_the_transformer_engine_config_selects_the_kept_layers_as_nvdlfw_inspect_names_them(monkeypatch):
+    """The config ``te_debug_config`` writes, read as TransformerEngine's debug API reads it: the
+    layers named by nvdlfw-inspect's own ``infer_and_assign_layer_names`` (``model.`` and the
+    qualified name) and matched by its own ``is_layer_in_cfg``: exactly the kept ones, not the
+    layer whose name the kept one's is a prefix of (blocks.1 of blocks.10 and blocks.11)."""
+    yaml = pytest.importorskip("yaml")
+    pytest.importorskip("nvdlfw_inspect")
+    import types
+
+    from nvdlfw_inspect import api as debug_api
+    from nvdlfw_inspect.config_manager import ConfigSpec, is_layer_in_cfg
+
+    monkeypatch.setattr(debug_api, "get_logger", lambda: types.SimpleNamespace(log_message=lambda *a, **k: None))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(12)])
+            self.head = torch.nn.Linear(4, 2)
+
+    model = Model()
+    debug_api.infer_and_assign_layer_names(model)
+    kept = ["blocks.1.fc1", "head"]
+    spec = ConfigSpec()
+    spec.initialize(yaml.safe_load(fp8.te_debug_config(kept))["ampdoctor_keep_out_of_fp8"])
+    selected = [name for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and is_layer_in_cfg(m.name, spec)]
+    assert selected == kept

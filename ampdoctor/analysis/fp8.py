@@ -142,11 +142,13 @@ def passes_data(p: Passes | None, metadata: Mapping[str, str] | None = None, *,
 
 def te_debug_config(names: list[str]) -> str:
     """TransformerEngine's debug API config (the YAML that ``debug_api.initialize(config_file=)``
-    of nvdlfw-inspect reads) that keeps the layers ``names`` out of FP8: one section whose
-    ``DisableFP8Layer`` feature applies to a regular expression matching exactly those names (the
-    modules' fully qualified names, which TransformerEngine takes as its layers' names when it
-    infers them, ``debug_api.infer_and_assign_layer_names(model)``)."""
-    pattern = "^(?:" + "|".join(re.escape(n) for n in names) + ")$"
+    of nvdlfw-inspect reads) that keeps the layers ``names`` (fully qualified module names) out of
+    FP8: one section whose ``DisableFP8Layer`` feature applies to a regular expression matching
+    exactly the names nvdlfw-inspect gives them when it infers them
+    (``debug_api.infer_and_assign_layer_names(model)``: ``model`` for the model itself, ``model.``
+    and the qualified name below it; it searches each layer's name with the expression)."""
+    inferred = ["model" if n == "" else "model." + n for n in names]
+    pattern = "^(?:" + "|".join(re.escape(n) for n in inferred) + ")$"
     quoted = "'" + pattern.replace("'", "''") + "'"  # (YAML's single quotes: backslashes stay as they are)
     return ("# ampdoctor fp8: the layers to keep out of FP8 (TransformerEngine debug API)\n"
             "ampdoctor_keep_out_of_fp8:\n"

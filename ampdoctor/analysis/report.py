@@ -9,7 +9,7 @@ The rows of the anomalous steps are read for the origins; the rest comes from :f
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 import numpy as np
 import pandas as pd
@@ -43,15 +43,12 @@ def report_data(run: Run | Analysis) -> dict:
     layers = sort_layers(a.scan.layers) if not a.scan.empty else a.scan.layers
     if a.scan.empty:
         missing["layers"] = Finding("no_layer_rows")
-    replays = None
     # The origins' rows are a query of the engine (its own threads, the GIL released): the scaler
     # candidates are replayed meanwhile (recommend's bulk, which needs the origins only for advice).
-    with ThreadPoolExecutor(1, thread_name_prefix="ampdoctor-origins") as pool:
-        found: list = []
-        origins_job = pool.submit(rank_origins, a, found) if len(a.series) else None
-        if a.prepared is not None and len(a.series) >= 2:
-            replays = replayed(a.prepared, a.current)
-        origins = origins_job.result() if origins_job is not None else []
+    found: list = []
+    origins_job = _Background(rank_origins, a, found) if len(a.series) else None
+    replays = replayed(a.prepared, a.current) if a.prepared is not None and len(a.series) >= 2 else None
+    origins = origins_job.result() if origins_job is not None else []
     warnings.extend(found)
     disagreement = rank_disagreement(a.scan.step_rows)
     if disagreement:
@@ -82,6 +79,30 @@ def report_data(run: Run | Analysis) -> dict:
         "missing": missing,
         "charts": _charts(a, layers),
     }
+
+
+class _Background:
+    """``fn(*args)`` on a daemon thread: an interrupted caller (Ctrl-C during the replay) leaves
+    without waiting for it, and so does the interpreter at exit. :meth:`result` waits for it and
+    raises its error, if any."""
+
+    def __init__(self, fn, *args) -> None:
+        self._outcome: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="ampdoctor-origins", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._outcome.append((True, fn(*args)))
+        except BaseException as exc:  # (raised again in the caller)
+            self._outcome.append((False, exc))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._outcome[0]
+        if not ok:
+            raise value
+        return value
 
 
 def scale_history(series: StepSeries) -> dict | None:

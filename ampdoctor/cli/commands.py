@@ -272,7 +272,8 @@ def fp8(run: Run, fmt: str, flush_limit: float, top: int, te_config: str | None,
 def _write_te_config(config: str | None, path: str) -> None:
     """``fp8 --te-config``: the config, or a word that there is nothing to keep out."""
     if config is None:
-        click.echo(f"Nothing to keep out of FP8: {path} not written", err=True)
+        click.echo(f"Nothing to keep out of FP8: {path} not written"
+                   + (" (the one there is left as it was)" if os.path.exists(path) else ""), err=True)
         return
     try:
         with open(path, "w", encoding="utf-8") as fh:

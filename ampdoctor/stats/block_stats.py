@@ -6,6 +6,10 @@ is read for first (a Linear's input and weight in the forward, its output gradie
 gradient's GEMM); a last dimension that is not a multiple of the block is padded with zeros, as
 the recipes pad it (zeros change no block's amax and are not counted).
 
+Limits: the temporaries are not chunked (about 50 bytes per element: 3 GB for a 4096 x 14336
+operand), and each operand costs some 300 small kernels: a fused kernel is what recording it on
+every sampled step needs (issue 42). Non-finite operands are not meant (their figures are NaN).
+
 Device work per operand: one float32 copy, the block amaxes (MX and NVFP4), the tensor amax, a few
 elementwise passes per recipe (its scaled elements and their cast, summed: the measured figures)
 and three counts per bin (on the CPU ``bincount``; on accelerators a sort and
@@ -47,12 +51,20 @@ def block_stats(tensor: torch.Tensor) -> BlockStats:
     caller observes finite operands). No sync."""
     with torch.no_grad():
         x = tensor.detach().float().abs()
+        if not x.numel():  # (an expert that got no token: nothing counted)
+            return _empty(x.device)
         x = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         nonzero = (x != 0).sum()
         rel, blocks, above, mx_measured = _mx(x)
         q, ratio, clamped, saturated, nv_measured = _nvfp4(x)
     return BlockStats(rel, blocks, q, ratio, clamped, above, saturated, torch.stack([*mx_measured, nv_measured]),
                       nonzero)
+
+
+def _empty(device: torch.device) -> BlockStats:
+    zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+    return BlockStats(zeros(3, REL_BINS), zeros(2, 3, EXP_BINS), zeros(Q_BINS), zeros(RATIO_BINS), zeros(2), zeros(2),
+                      zeros(), zeros(len(RECIPES), 4, dtype=torch.float64), zeros())
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -79,7 +91,8 @@ def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
     counts = present.sum(dim=1)
     per_block = count_bins(cell, 3 * EXP_BINS, weights=(amax > 0).to(torch.int64))
     per_element = count_bins(cell, 3 * EXP_BINS, weights=counts)
-    # (saturation is a threshold on rel that ties at it decide: counted exactly, not from the bins)
+    # (saturation is a threshold on rel that ties at it decide: counted exactly, not from the bins;
+    # a block whose floor scale is clamped, amax below 2^(emax - 126), is counted on its rel)
     above = torch.stack([(rel > m).sum() for m in MX_CLASSES])
     measured = [_measure(b, _mx_scaled(b, mantissa, exponent - 1, element, scale), element)
                 for _, element, scale in RECIPES if scale != "nvfp4"]
@@ -89,7 +102,9 @@ def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
 def _mx_scaled(b: torch.Tensor, mantissa: torch.Tensor, floor: torch.Tensor, element: str, scale: str) -> torch.Tensor:
     """The blocks in their E8M0 scale's units, as torchao's ``to_mx`` scales them: floor, its scale
     raised to float32's smallest normal; round-up (RCEIL), the reciprocal of its scale, 1 for the
-    smallest (2^-127)."""
+    smallest (2^-127). The round-up exponent is ``ceil(log2(amax / max))`` exactly, as the
+    hardware's conversion (``cvt.rp``) takes it; torchao's eager float32 ``log2`` can round a float32
+    amax a few ulps above 1.75 · 2^k down to the lower scale (bfloat16 and float16 amaxes never)."""
     emax = math.floor(math.log2(ELEMENTS[element][2]))
     top = ELEMENTS[element][2] / 2.0 ** emax
     if scale == "floor":
@@ -101,8 +116,10 @@ def _mx_scaled(b: torch.Tensor, mantissa: torch.Tensor, floor: torch.Tensor, ele
 
 def _measure(b: torch.Tensor, q: torch.Tensor, element: str) -> torch.Tensor:
     """float64 [4]: flushed and saturated nonzero elements, sum (q - Q)^2, sum q^2."""
-    cast = _cast(q, element)
     present = b != 0
+    # (only the nonzero elements count: an all-zero tensor's NVFP4 scale is 0, its q NaN)
+    q = q.masked_fill(present.logical_not(), 0.0)
+    cast = _cast(q, element)
     return torch.stack([(present & (cast == 0)).sum().double(), (q > ELEMENTS[element][2]).sum().double(),
                         ((q - cast).double() ** 2).sum(), (q.double() ** 2).sum()])
 
