@@ -87,8 +87,6 @@ class BlockStatsHost:
     nv_q: np.ndarray
     nv_ratio: np.ndarray
     nv_clamped: np.ndarray
-    mx_above: np.ndarray
-    nv_saturated: int
     measured: np.ndarray       # [len(RECIPES), 4]: flushed, saturated, sum (q - Q)^2, sum q^2
     nonzero: int
 
@@ -136,16 +134,15 @@ def _mx(stats: BlockStatsHost, recipe: BlockRecipe, source_mbits: int | None) ->
         # that bound holds the bound alone)
         upper = (*MX_CLASSES, 2.0)[c]
         tally += _tally(counts, np.minimum(points, upper) * factor, fmt)
-    # Floor: rel above the element's largest mantissa saturates (counted on the device); round-up
-    # never does.
-    tally[1] = float(stats.mx_above[MX_CLASSES.index(fmt.max / 2.0 ** fmt.emax)]) if recipe.scale == "floor" else 0.0
+    # (saturation, a threshold that ties at it decide, is the device's count: see module docstring)
+    tally[1] = float(np.asarray(stats.measured)[RECIPES.index(recipe), 1])
     clamped = _mx_clamped(recipe)
     return _figures(recipe, stats, tally, np.asarray(stats.mx_blocks, dtype=np.float64)[1][clamped].sum())
 
 
 def _nvfp4(stats: BlockStatsHost, recipe: BlockRecipe) -> BlockFigures:
     tally = _tally(np.asarray(stats.nv_q, dtype=np.float64), _points(window_edges(Q_WINDOW)), recipe.element)
-    tally[1] = float(stats.nv_saturated)
+    tally[1] = float(np.asarray(stats.measured)[RECIPES.index(recipe), 1])
     # (a clamped NVFP4 block scale is in q already: the figures hold for its elements)
     return _figures(recipe, stats, tally, 0.0)
 

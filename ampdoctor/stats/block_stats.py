@@ -39,8 +39,6 @@ class BlockStats:
     nv_q: torch.Tensor        # [Q_BINS]: nonzero elements by q
     nv_ratio: torch.Tensor    # [RATIO_BINS]: blocks by amax_block / amax_tensor
     nv_clamped: torch.Tensor  # [2]: blocks whose scale was clamped up, their nonzero elements
-    mx_above: torch.Tensor    # [2]: elements whose rel exceeds 1.5, 1.75 (saturated under a floor scale)
-    nv_saturated: torch.Tensor  # 0-dim: elements whose q exceeds 6
     measured: torch.Tensor    # float64 [len(RECIPES), 4]: per recipe, flushed and saturated elements,
                               # sum (q - Q(q))^2 and sum q^2, cast as torchao casts
     nonzero: torch.Tensor     # 0-dim: nonzero elements
@@ -55,16 +53,15 @@ def block_stats(tensor: torch.Tensor) -> BlockStats:
             return _empty(x.device)
         x = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         nonzero = (x != 0).sum()
-        rel, blocks, above, mx_measured = _mx(x)
-        q, ratio, clamped, saturated, nv_measured = _nvfp4(x)
-    return BlockStats(rel, blocks, q, ratio, clamped, above, saturated, torch.stack([*mx_measured, nv_measured]),
-                      nonzero)
+        rel, blocks, mx_measured = _mx(x)
+        q, ratio, clamped, nv_measured = _nvfp4(x)
+    return BlockStats(rel, blocks, q, ratio, clamped, torch.stack([*mx_measured, nv_measured]), nonzero)
 
 
 def _empty(device: torch.device) -> BlockStats:
     zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-    return BlockStats(zeros(3, REL_BINS), zeros(2, 3, EXP_BINS), zeros(Q_BINS), zeros(RATIO_BINS), zeros(2), zeros(2),
-                      zeros(), zeros(len(RECIPES), 4, dtype=torch.float64), zeros())
+    return BlockStats(zeros(3, REL_BINS), zeros(2, 3, EXP_BINS), zeros(Q_BINS), zeros(RATIO_BINS), zeros(2),
+                      zeros(len(RECIPES), 4, dtype=torch.float64), zeros())
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -75,7 +72,7 @@ def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.reshape(-1, size)
 
 
-def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     b = _blocks(x, MX_BLOCK)
     amax = b.amax(dim=1)
     mantissa, exponent = torch.frexp(amax)  # amax = mantissa · 2^exponent, mantissa in [0.5, 1)
@@ -91,12 +88,9 @@ def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list
     counts = present.sum(dim=1)
     per_block = count_bins(cell, 3 * EXP_BINS, weights=(amax > 0).to(torch.int64))
     per_element = count_bins(cell, 3 * EXP_BINS, weights=counts)
-    # (saturation is a threshold on rel that ties at it decide: counted exactly, not from the bins;
-    # a block whose floor scale is clamped, amax below 2^(emax - 126), is counted on its rel)
-    above = torch.stack([(rel > m).sum() for m in MX_CLASSES])
     measured = [_measure(b, _mx_scaled(b, mantissa, exponent - 1, element, scale), element)
                 for _, element, scale in RECIPES if scale != "nvfp4"]
-    return mx_rel, torch.stack([per_block, per_element]).reshape(2, 3, EXP_BINS), above, measured
+    return mx_rel, torch.stack([per_block, per_element]).reshape(2, 3, EXP_BINS), measured
 
 
 def _mx_scaled(b: torch.Tensor, mantissa: torch.Tensor, floor: torch.Tensor, element: str, scale: str) -> torch.Tensor:
@@ -133,7 +127,7 @@ def _cast(q: torch.Tensor, element: str) -> torch.Tensor:
     return q.to(torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2).float()
 
 
-def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As torchao's ``nvfp4_quantize`` with a per-tensor scale from the tensor's amax."""
     b = _blocks(x, NV_BLOCK)
     amax = b.amax(dim=1)
@@ -149,8 +143,7 @@ def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     nv_ratio = _count_where(_window(amax / tensor_amax, RATIO_WINDOW), seen, RATIO_BINS)
     blocks = clamped & seen
     nv_clamped = torch.stack([blocks.sum(), (present & blocks.unsqueeze(1)).sum()])
-    # (a block's amax lands on 6 exactly whenever its E4M3 scale is exact: counted, not binned)
-    return nv_q, nv_ratio, nv_clamped, (q > 6.0).sum(), _measure(b, q, "e2m1")
+    return nv_q, nv_ratio, nv_clamped, _measure(b, q, "e2m1")
 
 
 def _count_where(index: torch.Tensor, where: torch.Tensor, bins: int) -> torch.Tensor:
