@@ -105,11 +105,7 @@ def measured(stats: BlockStatsHost, recipe: BlockRecipe) -> BlockFigures:
     """The figures the device measured for ``recipe`` (exact: the operand cast as torchao casts
     it); NaN where the operand has no nonzero element."""
     flushed, saturated, error, reference = np.asarray(stats.measured, dtype=np.float64)[RECIPES.index(recipe)]
-    n = float(stats.nonzero)
-    if n <= 0:
-        return BlockFigures(recipe.name, *(np.nan,) * 5)
-    return BlockFigures(recipe.name, flushed / n, flushed / n, saturated / n, _clamped_blocks(stats, recipe),
-                        float(np.sqrt(error / reference)) if reference > 0 else 0.0)
+    return _figures(recipe, stats, flushed, saturated, error, reference, clamped_elements=0.0)
 
 
 def predict(stats: BlockStatsHost, recipe: BlockRecipe, source_mbits: int | None = None) -> BlockFigures:
@@ -117,34 +113,31 @@ def predict(stats: BlockStatsHost, recipe: BlockRecipe, source_mbits: int | None
     an operand of a format with ``source_mbits`` mantissa bits (bfloat16 7, float16 10; None: float32
     or unknown). NaN where it has no nonzero element."""
     if recipe.scale == "nvfp4":
-        return _nvfp4(stats, recipe)
-    return _mx(stats, recipe, source_mbits)
+        # (a clamped NVFP4 block scale is in q already: the figures hold for its elements)
+        (flushed, error, reference), clamped = _tally(stats.nv_q, _points(window_edges(Q_WINDOW)), recipe.element), 0.0
+    else:
+        (flushed, error, reference), clamped = _mx(stats, recipe, source_mbits)
+    # (saturation, a threshold that ties at it decide, is the device's count: see module docstring)
+    saturated = float(np.asarray(stats.measured)[RECIPES.index(recipe), 1])
+    return _figures(recipe, stats, flushed, saturated, error, reference, clamped)
 
 
-def _mx(stats: BlockStatsHost, recipe: BlockRecipe, source_mbits: int | None) -> BlockFigures:
+def _mx(stats: BlockStatsHost, recipe: BlockRecipe, source_mbits: int | None) -> tuple[np.ndarray, float]:
+    """(flushed, squared error, squared value) from the MX table, and the nonzero elements of the
+    blocks whose scale is clamped."""
     fmt, above = recipe.element, _above(recipe.element)
     # An MX scale is a power of two: rel keeps the operand's own grid, whose points (bfloat16: 16 a
     # bin) are where its elements lie, ties included; finer formats spread evenly.
     grid = source_mbits is not None and source_mbits <= _GRID_MBITS
     points = _points(window_edges(REL_WINDOW), 2 ** (source_mbits - 3) if grid else None)
-    tally = np.zeros(4)
+    tally = np.zeros(3)
     for c, counts in enumerate(np.asarray(stats.mx_rel, dtype=np.float64)):
         factor = 2.0 ** (fmt.emax - (1 if recipe.scale == "round-up" and above[c] else 0))
         # (no element of a block exceeds its amax, whose mantissa the class bounds: the bin at
         # that bound holds the bound alone)
         upper = (*MX_CLASSES, 2.0)[c]
         tally += _tally(counts, np.minimum(points, upper) * factor, fmt)
-    # (saturation, a threshold that ties at it decide, is the device's count: see module docstring)
-    tally[1] = float(np.asarray(stats.measured)[RECIPES.index(recipe), 1])
-    clamped = _mx_clamped(recipe)
-    return _figures(recipe, stats, tally, np.asarray(stats.mx_blocks, dtype=np.float64)[1][clamped].sum())
-
-
-def _nvfp4(stats: BlockStatsHost, recipe: BlockRecipe) -> BlockFigures:
-    tally = _tally(np.asarray(stats.nv_q, dtype=np.float64), _points(window_edges(Q_WINDOW)), recipe.element)
-    tally[1] = float(np.asarray(stats.measured)[RECIPES.index(recipe), 1])
-    # (a clamped NVFP4 block scale is in q already: the figures hold for its elements)
-    return _figures(recipe, stats, tally, 0.0)
+    return tally, float(np.asarray(stats.mx_blocks, dtype=np.float64)[1][_mx_clamped(recipe)].sum())
 
 
 def _above(fmt: ElementFormat) -> list[bool]:
@@ -157,10 +150,11 @@ def _above(fmt: ElementFormat) -> list[bool]:
 def _mx_clamped(recipe: BlockRecipe) -> np.ndarray:
     """[classes, exponents]: the blocks whose E8M0 scale is clamped: floor (torchao) raises a scale
     below 2^-126 to it; round-up takes its smallest scale, 2^-127, as 1."""
-    exponent = np.arange(EXP_RANGE[0], EXP_RANGE[1] + 1)
-    bump = np.array(_above(recipe.element), dtype=np.int64)[:, None] if recipe.scale == "round-up" else 0
-    scale = exponent[None, :] - recipe.element.emax + np.zeros((len(MX_CLASSES) + 1, 1), dtype=np.int64) + bump
-    return scale < -126 if recipe.scale == "floor" else scale <= -127
+    exponent = np.arange(EXP_RANGE[0], EXP_RANGE[1] + 1)[None, :]
+    if recipe.scale == "floor":
+        return np.broadcast_to(exponent - recipe.element.emax < -126, (len(MX_CLASSES) + 1, exponent.shape[1]))
+    bump = np.array(_above(recipe.element), dtype=np.int64)[:, None]
+    return exponent - recipe.element.emax + bump <= -127
 
 
 def _clamped_blocks(stats: BlockStatsHost, recipe: BlockRecipe) -> float:
@@ -173,8 +167,7 @@ def _clamped_blocks(stats: BlockStatsHost, recipe: BlockRecipe) -> float:
     return clamped / blocks if blocks else 0.0
 
 
-def _figures(recipe, stats, tally, clamped_elements) -> BlockFigures:
-    flushed, saturated, error, reference = tally
+def _figures(recipe, stats, flushed, saturated, error, reference, clamped_elements) -> BlockFigures:
     n = float(stats.nonzero)
     if n <= 0:
         return BlockFigures(recipe.name, *(np.nan,) * 5)
@@ -191,9 +184,8 @@ def _points(edges: np.ndarray, grid: int | None = None) -> np.ndarray:
 
 
 def _tally(counts: np.ndarray, q: np.ndarray, fmt: ElementFormat) -> np.ndarray:
-    """(flushed, saturated, squared error, squared value) of elements counted by ``counts`` per
-    bin, spread over the bin's points ``q`` (in block-scale units); the callers replace the
-    saturated count by the device's exact one."""
-    rounded = fmt.round(q)
+    """(flushed, squared error, squared value) of elements counted by ``counts`` per bin, spread
+    over the bin's points ``q`` (in block-scale units)."""
+    counts, rounded = np.asarray(counts, dtype=np.float64), fmt.round(q)
     share = lambda v: (counts * v.mean(axis=1)).sum()  # noqa: E731
-    return np.array([share((rounded == 0) & (q > 0)), share(q > fmt.max), share((q - rounded) ** 2), share(q ** 2)])
+    return np.array([share((rounded == 0) & (q > 0)), share((q - rounded) ** 2), share(q ** 2)])
