@@ -34,15 +34,16 @@ class BlockCast:
     error: float
 
 
-def cast(x: torch.Tensor, element: str, scale: str, block: int, fmax: float) -> BlockCast:
+def cast(x: torch.Tensor, element: str, scale: str, block: int, fmax: float,
+         tensor_amax: torch.Tensor | None = None) -> BlockCast:
     """``x`` (float32 or bfloat16, any shape) cast by the recipe (``scale``: "floor", "round-up"
-    or "nvfp4")."""
+    or "nvfp4"; NVFP4's per-tensor scale from ``tensor_amax``, by default ``x``'s own amax)."""
     x = x.detach().float().reshape(-1, x.shape[-1] if x.dim() else 1)
     pad = (-x.shape[1]) % block
     x = torch.nn.functional.pad(x, (0, pad)).contiguous()
     blocks = x.reshape(x.shape[0], -1, block)
     if scale == "nvfp4":
-        tensor_scale = per_tensor_amax_to_scale(x.abs().amax())
+        tensor_scale = per_tensor_amax_to_scale(x.abs().amax() if tensor_amax is None else tensor_amax.float())
         scales, data = nvfp4_quantize(x, block, tensor_scale)
         q = blocks * ((1.0 / tensor_scale) / scales.float())[..., None]
         cast_q = f4_unpacked_to_f32(unpack_uint4(data))

@@ -48,7 +48,30 @@ FP8_CONTRACT = {
                          "saturated_mean": (float, type(None)), "saturated_max": (float, type(None)),
                          "clipped_passes": int, "clipped_steps": [int]}]}]}],
     "keep": [str], "ready": [str], "unknown": [str], "not_called": [str], "module_filter_fn": (str, type(None)),
-    "te_debug_config": (str, type(None)), "shortest_history": (int, type(None)), "limits": [str],
+    "te_debug_config": (str, type(None)), "shortest_history": (int, type(None)),
+    "block_formats": {
+        "assessed": bool, "why_not": (str, type(None)), "flush_limit": (float, type(None)), "sampled_steps": [int],
+        "ranks": int,
+        "recipes": [{"name": str, "casts": {"input": str, "weight": str, "grad_output": str}, "describes": str,
+                     "baseline_lost": {"input": float, "weight": float, "grad_output": float},
+                     "keep": [str], "ready": [str], "unknown": [str], "module_filter_fn": (str, type(None)),
+                     "te_debug_config": (str, type(None))}],
+        "layers": [{
+            "name": str, "converted": bool,
+            "recipes": [{"recipe": str, "verdict": str, "lost_max": (float, type(None)),
+                         "reasons": [{"operand": str, "cast": str, "flushed": float, "saturated": float,
+                                      "baseline": float, "step": int}]}],
+            "operands": [{
+                "operand": str, "sampled_passes": int, "rows_read": (float, type(None)),
+                "casts": [{"cast": str, "flushed_mean": (float, type(None)), "flushed_max": (float, type(None)),
+                           "saturated_max": (float, type(None)), "clamped_blocks_max": (float, type(None)),
+                           "error_mean": (float, type(None)), "error_max": (float, type(None)),
+                           "worst_step": (int, type(None)), "worst_lost": (float, type(None)),
+                           "worst_flushed": (float, type(None)), "worst_saturated": (float, type(None))}],
+                "scale_spread": {"mx_block_exponents": [int],
+                                 "nvfp4_block_ratio_median": (float, type(None)),
+                                 "nvfp4_clamped_blocks": (float, type(None))}}]}]},
+    "limits": [str],
 }
 
 def check_contract(value, spec, where="$"):

@@ -15,15 +15,14 @@ import block_truth as T  # noqa: E402
 from ampdoctor.analysis.block_formats import (E2M1, E4M3, E5M2, RECIPES, BlockStatsHost,  # noqa: E402
                                               measured, predict)
 from ampdoctor.run_file.block_bins import REL_WINDOW, window_index  # noqa: E402
-from ampdoctor.stats.block_stats import block_stats  # noqa: E402
+from ampdoctor.stats.block_stats import block_stats, pack  # noqa: E402
 
 RECIPE = {r.name: r for r in RECIPES}
 
 
-def host(tensor: torch.Tensor) -> BlockStatsHost:
-    s = block_stats(tensor)
-    return BlockStatsHost(s.mx_rel.numpy(), s.mx_blocks.numpy(), s.nv_q.numpy(), s.nv_ratio.numpy(),
-                          s.nv_clamped.numpy(), s.measured.numpy(), int(s.nonzero))
+def host(tensor: torch.Tensor, **kwargs) -> BlockStatsHost:
+    """Through the column's value, as a run is read back."""
+    return BlockStatsHost.from_values(pack(block_stats(tensor, **kwargs)).numpy())
 
 
 def truth(x: torch.Tensor, recipe) -> T.BlockCast:

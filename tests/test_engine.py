@@ -15,6 +15,7 @@ import torch
 
 from ampdoctor.analysis import postmortem as postmortem_module
 from ampdoctor.analysis.event_context import event_context
+from ampdoctor.read.run import to_frame
 from ampdoctor.analysis.origins import ORIGIN_COLUMNS, rows_at
 from ampdoctor.read import engine
 from ampdoctor.read.ahead import read_ahead
@@ -204,7 +205,9 @@ def test_fp8_passes_reduced_by_the_engine_are_the_rows_passes(ranks_run):
         assert np.array_equal(getattr(rows, field), getattr(reduced, field)), field
     assert np.array_equal(rows.amax, reduced.amax, equal_nan=True)
     assert np.array_equal(rows.histograms(0, len(rows.sampled)), reduced.histograms(0, len(reduced.sampled)))
-    whole = passes_data(rows, ranks_run.metadata, path=str(ranks_run.path))
+    from ampdoctor.analysis.block_readiness import passes_of
+    blocks = passes_of(to_frame(ranks_run.table(["step", "rank", "kind", "name", "call", "block_stats"])))
+    whole = passes_data(rows, ranks_run.metadata, path=str(ranks_run.path), blocks=blocks)
     assert to_json(fp8_data(ranks_run)) == to_json({"path": str(ranks_run.path), "run_id": "engine", **whole})
 
 

@@ -20,7 +20,8 @@ from torch import nn
 import ampdoctor
 from ampdoctor.run_file import schema
 from ampdoctor.cli.commands import main
-from ampdoctor.analysis.fp8 import te_debug_config
+from ampdoctor.analysis.block_readiness import not_assessed
+from ampdoctor.analysis.te_config import te_debug_config
 from ampdoctor.errors import RunError
 from ampdoctor.render.fp8 import render_fp8
 from contract_check import FP8_CONTRACT, check_contract
@@ -110,6 +111,8 @@ def example_fp8_data() -> dict:
         "keep": ["head"], "ready": ["stem", "blocks.0.attn.qkv"], "unknown": ["blocks.0.mlp.fc2"], "not_called": [],
         "module_filter_fn": "lambda mod, fqn: fqn not in {'head'}", "te_debug_config": te_debug_config(["head"]),
         "shortest_history": 16,
+        "block_formats": not_assessed("the run was recorded by an ampdoctor before 2026-11-28, which did not "
+                                      "record block statistics"),
         "limits": ["per_block_formats", "convolutions_not_converted", "several_calls_per_step"],
     }
 
@@ -144,7 +147,7 @@ def test_each_format_leads_with_the_verdict_and_holds_the_kept_names_snippet_and
     assert "flushes up to 0.71%" in flat  # history 1024's largest excess flush (qkv's output gradient) ...
     assert "where a history of 1 flushes 0.09%" in flat  # ... against history 1's (the first pass alike in both)
     # the limits: per-block formats, convolutions, several calls, the histogram's resolution
-    assert "MXFP8" in flat and "NVFP4" in flat and "per-block amax distributions" in flat
+    assert "Per-block formats (MXFP8, MXFP4, NVFP4) are not assessed: the run was recorded by an ampdoctor before" in flat
     assert "neither TransformerEngine nor torchao converts convolutions" in flat
     assert "8 bins per binade" in flat and "several times per step" in flat
     # the verdict comes before the tables and the limits

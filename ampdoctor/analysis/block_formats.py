@@ -33,7 +33,7 @@ import numpy as np
 
 from ..run_file.block_bins import ELEMENTS, EXP_RANGE, MX_BLOCK, MX_CLASSES, NV_BLOCK, Q_WINDOW, REL_WINDOW
 from ..run_file.block_bins import RECIPES as RECIPE_SPECS
-from ..run_file.block_bins import window_edges
+from ..run_file.block_bins import unpack, window_edges
 
 _SUBPOINTS = 16  # evenly spread points per bin
 _GRID_MBITS = 10  # operands of at most this many mantissa bits are taken on their grid (float16's: 128 a bin)
@@ -89,6 +89,21 @@ class BlockStatsHost:
     nv_clamped: np.ndarray
     measured: np.ndarray       # [len(RECIPES), 4]: flushed, saturated, sum (q - Q)^2, sum q^2
     nonzero: int
+    rows: tuple[int, int] = (1, 1)  # rows read, rows of the operand (a sample of a large one)
+
+    @classmethod
+    def from_values(cls, values) -> "BlockStatsHost":
+        """From one ``block_stats`` value (a flat sequence, :data:`~ampdoctor.run_file.block_bins.LAYOUT`),
+        or the sum of several (ranks, calls: every part adds up). ValueError for another length."""
+        parts = unpack(values)
+        counts = {k: parts[k].astype(np.int64) for k in ("mx_rel", "mx_blocks", "nv_q", "nv_ratio", "nv_clamped")}
+        seen, total = parts["rows"]
+        return cls(**counts, measured=parts["measured"], nonzero=int(parts["nonzero"]), rows=(int(seen), int(total)))
+
+    @property
+    def sampled(self) -> bool:
+        """Whether only a sample of the operand's rows was read."""
+        return self.rows[0] < self.rows[1]
 
 
 @dataclass
@@ -171,8 +186,10 @@ def _figures(recipe, stats, flushed, saturated, error, reference, clamped_elemen
     n = float(stats.nonzero)
     if n <= 0:
         return BlockFigures(recipe.name, *(np.nan,) * 5)
+    with np.errstate(invalid="ignore"):  # (a non-finite operand's sums are NaN: so are its figures)
+        relative = float(np.sqrt(error / reference)) if reference > 0 else 0.0 if reference == 0 else np.nan
     return BlockFigures(recipe.name, flushed / n, min(1.0, (flushed + clamped_elements) / n), saturated / n,
-                        _clamped_blocks(stats, recipe), float(np.sqrt(error / reference)) if reference > 0 else 0.0)
+                        _clamped_blocks(stats, recipe), relative)
 
 
 def _points(edges: np.ndarray, grid: int | None = None) -> np.ndarray:

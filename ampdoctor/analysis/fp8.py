@@ -22,8 +22,6 @@ No torch is imported: reading a run needs none.
 
 from __future__ import annotations
 
-import re
-
 from typing import Mapping
 
 import numpy as np
@@ -34,8 +32,11 @@ from ..read.engine import EngineCannot
 from ..read.run import Run, expect_run, to_frame
 from ..run_file.schema import (GEMM_KINDS, meta_names, META_AMP_DTYPE, META_DEVICE, META_GEMM_LAYERS, META_LEVEL,
                                META_RUN_ID, ROOT_NAME)
+from .block_readiness import RECORDED_SINCE as BLOCKS_SINCE
+from .block_readiness import BlockPasses, block_data, not_assessed, passes_of, recorded, run_block_passes
 from .fp8_passes import COLUMNS, GRAD, INPUT, WEIGHT, Passes, gemm_passes, run_passes
 from .fp8_recipes import FORMATS, HISTORIES, OPERANDS, Cells, cells
+from .te_config import te_debug_config
 
 DEFAULT_FLUSH_LIMIT = 0.01
 VERDICT_OPERANDS = OPERANDS[:3]  # what the default recipe (HYBRID) casts
@@ -72,16 +73,18 @@ def frame_predictions(frame: pd.DataFrame) -> pd.DataFrame:
 
 def frame_data(frame: pd.DataFrame, metadata: Mapping[str, str] | None = None, *,
                flush_limit: float = DEFAULT_FLUSH_LIMIT, path: str = "") -> dict:
-    """:func:`fp8_data` of the rows of ``frame`` (columns :data:`COLUMNS`) and the run's
-    ``metadata``, without ``path`` and ``run_id``. Raises :class:`RunError` when ``frame`` holds
-    no GEMM rows (``path`` names the run in its message)."""
-    return passes_data(gemm_passes(frame), metadata, flush_limit=flush_limit, path=path)
+    """:func:`fp8_data` of the rows of ``frame`` (columns :data:`COLUMNS`, and ``block_stats``
+    where the rows have it) and the run's ``metadata``, without ``path`` and ``run_id``. Raises
+    :class:`RunError` when ``frame`` holds no GEMM rows (``path`` names the run in its message)."""
+    blocks = passes_of(frame) if "block_stats" in frame else None
+    return passes_data(gemm_passes(frame), metadata, flush_limit=flush_limit, path=path, blocks=blocks)
 
 
 def passes_data(p: Passes | None, metadata: Mapping[str, str] | None = None, *,
-                flush_limit: float = DEFAULT_FLUSH_LIMIT, path: str = "") -> dict:
+                flush_limit: float = DEFAULT_FLUSH_LIMIT, path: str = "", blocks: BlockPasses | None = None) -> dict:
     """:func:`frame_data` of the passes ``p`` (:func:`~.fp8_passes.gemm_passes`,
-    :func:`~.fp8_passes.run_passes`); None: no GEMM rows."""
+    :func:`~.fp8_passes.run_passes`; None: no GEMM rows) and the block passes ``blocks`` (None:
+    the run has no ``block_stats`` column)."""
     if not (0.0 <= flush_limit <= 1.0):
         raise ValueError(f"flush_limit must be between 0 and 1, not {flush_limit!r}")
     metadata = dict(metadata or {})
@@ -110,7 +113,8 @@ def passes_data(p: Passes | None, metadata: Mapping[str, str] | None = None, *,
                  if layer["verdict"] != "keep" and layer["shortest_history"] is not None]
     steps = p.step
     sampled_steps = np.unique(p.step[p.sampled]).tolist()
-    limits = ["per_block_formats"]
+    block_formats = _block_formats(blocks, layers, flush_limit)
+    limits = [] if block_formats["assessed"] else ["per_block_formats"]
     if any(not layer["converted"] for layer in layers):
         limits.append("convolutions_not_converted")
     if not sampled_steps:
@@ -136,28 +140,22 @@ def passes_data(p: Passes | None, metadata: Mapping[str, str] | None = None, *,
                              if kept else None),
         "te_debug_config": te_debug_config(kept) if kept else None,
         "shortest_history": max(histories) if histories else None,
+        "block_formats": block_formats,
         "limits": limits,
     }
 
 
-def te_debug_config(names: list[str]) -> str:
-    """TransformerEngine's debug API config (the YAML that ``debug_api.initialize(config_file=)``
-    of nvdlfw-inspect reads) that keeps the layers ``names`` (fully qualified module names) out of
-    FP8: one section whose ``DisableFP8Layer`` feature applies to a regular expression matching
-    exactly the names nvdlfw-inspect gives them when it infers them
-    (``debug_api.infer_and_assign_layer_names(model)``: ``model`` for the model itself, ``model.``
-    and the qualified name below it; it searches each layer's name with the expression)."""
-    inferred = ["model" if n == "" else "model." + n for n in names]
-    pattern = "^(?:" + "|".join(re.escape(n) for n in inferred) + ")$"
-    quoted = "'" + pattern.replace("'", "''") + "'"  # (YAML's single quotes: backslashes stay as they are)
-    return ("# ampdoctor fp8: the layers to keep out of FP8 (TransformerEngine debug API)\n"
-            "ampdoctor_keep_out_of_fp8:\n"
-            "  enabled: True\n"
-            "  layers:\n"
-            f"    layer_name_regex_pattern: {quoted}\n"
-            "  transformer_engine:\n"
-            "    DisableFP8Layer:\n"
-            "      enabled: True\n")
+def _block_formats(blocks: BlockPasses | None, layers: list[dict], flush_limit: float) -> dict:
+    """The ``block_formats`` part, or why the run cannot say."""
+    if blocks is None:
+        return not_assessed(f"the run was recorded by an ampdoctor before {BLOCKS_SINCE}, which did not record "
+                            f"block statistics")
+    if not any(layer["converted"] for layer in layers):
+        return not_assessed("the run's GEMM layers are all convolutions, which block-format recipes do not convert")
+    if not blocks.operands:
+        return not_assessed("no step on the module_every cadence was recorded (block statistics are taken on "
+                            "steps whose number is a multiple of module_every)")
+    return block_data(blocks, [(layer["name"], layer["converted"]) for layer in layers], flush_limit=flush_limit)
 
 
 def _operand_data(p: Passes, c: Cells, j: int, s: int) -> tuple[dict, tuple]:
@@ -272,8 +270,8 @@ def no_operands_message(path: str, metadata: Mapping[str, str]) -> str:
 
 # -- a run ---------------------------------------------------------------------------------------------
 
-def _gemm_frame(run: Run) -> pd.DataFrame:
-    return to_frame(run.table(COLUMNS, kinds=GEMM_KINDS))
+def _gemm_frame(run: Run, blocks: bool = False) -> pd.DataFrame:
+    return to_frame(run.table(COLUMNS + (["block_stats"] if blocks else []), kinds=GEMM_KINDS))
 
 
 def fp8_data(run: Run, *, flush_limit: float = DEFAULT_FLUSH_LIMIT) -> dict:
@@ -289,7 +287,8 @@ def fp8_data(run: Run, *, flush_limit: float = DEFAULT_FLUSH_LIMIT) -> dict:
         passes = run_passes(run)  # (reduced over ranks by the query engine)
     except EngineCannot:
         passes = gemm_passes(_gemm_frame(run))
-    data = passes_data(passes, meta, flush_limit=flush_limit, path=str(run.path))
+    blocks = run_block_passes(run) if recorded(run) else None
+    data = passes_data(passes, meta, flush_limit=flush_limit, path=str(run.path), blocks=blocks)
     return {"path": str(run.path), "run_id": meta.get(META_RUN_ID, ""), **data}
 
 

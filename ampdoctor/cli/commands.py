@@ -26,6 +26,9 @@ class CliError(click.ClickException):
 
 
 DEBUG_VARIABLE = "AMPDOCTOR_DEBUG"
+# fp8 --recipe: tensorwise FP8 and the block recipes TransformerEngine has (analysis.block_readiness's
+# VERDICT_RECIPES with te=True; named here so that --help imports no analysis; a test holds them equal)
+TE_RECIPES = ("fp8", "mxfp8_rceil", "mxfp8_hybrid", "nvfp4")
 
 
 def library_errors(fn):
@@ -255,24 +258,39 @@ def postmortem(run: Run, fmt: str, output: str | None) -> None:
                    "the operands that need the longest history).")
 @click.option("--te-config", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
               help="Also write TransformerEngine's debug API config (YAML) that keeps the layers to keep "
-                   "out of FP8.")
+                   "out of the recipe (--recipe).")
+@click.option("--recipe", type=click.Choice(TE_RECIPES), default="fp8", show_default=True,
+              help="The recipe whose layers to keep --te-config keeps out: tensorwise FP8, or a block format "
+                   "TransformerEngine has (MXFP8BlockScaling with E4M3 or HYBRID, NVFP4BlockScaling).")
 @output_option
 @library_errors
-def fp8(run: Run, fmt: str, flush_limit: float, top: int, te_config: str | None, output: str | None) -> None:
+def fp8(run: Run, fmt: str, flush_limit: float, top: int, te_config: str | None, recipe: str,
+        output: str | None) -> None:
     """FP8 readiness: which GEMM layers (Linear) can train in FP8 with TransformerEngine or torchao,
-    which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling.
-    Needs a run recorded with level='full' and model=."""
+    which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling; and
+    per block format (MXFP8, MXFP4, NVFP4) which layers to keep out of it. Needs a run recorded
+    with level='full' and model=."""
     command = COMMANDS["fp8"]
     data = command.analyse(run, flush_limit=flush_limit)
     if te_config is not None:
-        _write_te_config(data.get("te_debug_config"), te_config)
+        _write_te_config(_te_config_of(data, recipe), te_config, recipe)
     _emit(command.render(data, fmt, color=output is None and _color(), top=top), output)
 
 
-def _write_te_config(config: str | None, path: str) -> None:
+def _te_config_of(data: dict, recipe: str) -> str | None:
+    """The config of ``recipe`` in ``data``; CliError where the run cannot say for a block format."""
+    if recipe == "fp8":
+        return data.get("te_debug_config")
+    blocks = data.get("block_formats") or {}
+    if not blocks.get("assessed"):
+        raise CliError(f"--recipe {recipe}: block formats are not assessed on this run: {blocks.get('why_not')}")
+    return next(r.get("te_debug_config") for r in blocks.get("recipes") or [] if r.get("name") == recipe)
+
+
+def _write_te_config(config: str | None, path: str, recipe: str = "fp8") -> None:
     """``fp8 --te-config``: the config, or a word that there is nothing to keep out."""
     if config is None:
-        click.echo(f"Nothing to keep out of FP8: {path} not written"
+        click.echo(f"Nothing to keep out of {'FP8' if recipe == 'fp8' else recipe}: {path} not written"
                    + (" (the one there is left as it was)" if os.path.exists(path) else ""), err=True)
         return
     try:

@@ -50,7 +50,8 @@ _SQL_TYPES = {"step": "BIGINT", "rank": "INTEGER", "kind": "VARCHAR", "name": "V
               "amax": "FLOAT", "amin": "FLOAT", "l2": "FLOAT", "n_zero": "BIGINT", "n_subnormal": "BIGINT",
               "n_nan": "BIGINT", "n_inf": "BIGINT", "n_zero_lines": "BIGINT", "n_underflow": "BIGINT",
               "call": "INTEGER", "parent": "INTEGER", "hist": "BIGINT[]", "underflow_hist": "BIGINT[]",
-              "inputs": "INTEGER[]", "computed_inputs": "INTEGER[]", "fine_hist": "BIGINT[]"}
+              "inputs": "INTEGER[]", "computed_inputs": "INTEGER[]", "fine_hist": "BIGINT[]",
+              "block_stats": "DOUBLE[]"}
 
 
 class EngineCannot(Exception):

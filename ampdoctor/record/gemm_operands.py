@@ -16,8 +16,12 @@ only materialised then); and each call's output gradient (the tap's own gradient
 One ``(min, max)`` each, through a :class:`~ampdoctor.record.light_taps.LightTaps` of their own that shares
 the flight recorder's repeat check: an input that is the previous tapped output, and a gradient the
 flight recorder has just reduced, cost no kernel. Module-sampled steps add a fine histogram of each
-(at most :data:`MAX_FINE_HISTS` a step). Nothing here syncs; the peaks ride the step's copy to the
-host (:mod:`ampdoctor.record.records`).
+(at most :data:`MAX_FINE_HISTS` a step) and, on the steps of the ``module_every`` cadence (not the
+escalated ones: they come in runs of 20 after every skipped step), its block statistics
+(:mod:`ampdoctor.stats.block_stats`: what MXFP8, MXFP4 and NVFP4 would make of it; at most
+:data:`MAX_BLOCK_STATS` a step), each with its blocks along the reduction dimension of the GEMM that
+reads it first (:func:`block_view`). Nothing here syncs; the peaks ride the step's copy to the host
+(:mod:`ampdoctor.record.records`).
 
 Limits: inputs are the first positional argument (or ``input=``/``x=``; float8 and sparse ones are
 not observed); inputs of a forward that began under ``torch.no_grad()`` (a validation pass: grad mode
@@ -26,7 +30,7 @@ or a frozen block under ``no_grad`` inside a training forward is; a checkpoint's
 backward is not observed again); a weight under ``torch.nn.utils.parametrize`` is not read (evaluating it outside
 the forward runs its parametrization: ``spectral_norm``'s power iteration would change training);
 a layer whose forward is not called as a module (``nn.MultiheadAttention``'s ``out_proj``) has no
-rows.
+rows; convolutions have no block statistics (no block-format recipe converts them).
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ from torch.nn.utils import parametrize
 from .call_graph import ModuleCall
 from .light_taps import LightTaps, Repeat
 from .records import GemmRecord
+from ..stats.block_stats import block_stats, pack
 from ..stats.fine_hist import fine_hist
 
 INPUT, WEIGHT, GRAD = "gemm_input", "gemm_weight", "gemm_grad_output"  # schema.GEMM_KINDS
 MAX_FINE_HISTS = 4096  # fine histograms kept per step (16 KiB each on the device: 64 MiB at most)
+MAX_BLOCK_STATS = 1024  # block statistics kept per step (25 KiB each: 25 MiB at most)
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -75,6 +81,20 @@ def layer_weight(module: nn.Module) -> torch.Tensor | None:
     return weight if weight.is_floating_point() and weight.numel() else None
 
 
+def block_view(module: nn.Module, kind: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` (an operand of ``module`` of row kind ``kind``) with the reduction dimension of
+    the GEMM that reads it first last, as block formats block it: a Linear's input and weight
+    (``[out, in]``) and its output gradient (the input gradient's GEMM reduces over the outputs) as
+    they are; transformers' ``Conv1D`` stores its weight ``[in, out]``: transposed (a view). None
+    for a convolution (neither torchao nor TransformerEngine converts one) or a weight of another
+    shape (FSDP1's flat views)."""
+    if isinstance(module, _CONVOLUTIONS):
+        return None
+    if kind == WEIGHT and not isinstance(module, nn.Linear):  # (Conv1D, is_gemm's other kind)
+        return tensor.t() if tensor.dim() == 2 else None
+    return tensor
+
+
 class GemmOperands:
     """The GEMM operands of the step in progress. Training thread and autograd threads; no sync."""
 
@@ -86,11 +106,14 @@ class GemmOperands:
         self.dropped_hists = 0
         self.start(False)
 
-    def start(self, sampled: bool) -> None:
-        """A new step; ``sampled``: a module-sampled step (fine histograms). No sync."""
+    def start(self, sampled: bool, blocks: bool = False) -> None:
+        """A new step; ``sampled``: a module-sampled step (fine histograms); ``blocks``: block
+        statistics too. No sync."""
         self._sampled = sampled
+        self._blocks_on = sampled and blocks
         self._called: set[str] = set()                          # layers whose weight the step has
         self._hists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (kind, call, order) -> (counts, zeros)
+        self._blocks: dict[tuple, torch.Tensor] = {}            # (kind, call, order) -> packed block statistics
 
     def input(self, call: ModuleCall, module: nn.Module, x: torch.Tensor | None, training: bool) -> None:
         """A call of a GEMM layer begins with input ``x`` (its forward pre-hook): observed when
@@ -99,33 +122,39 @@ class GemmOperands:
         if training and x is not None:
             self._taps.add(INPUT, call, -1, x)
             if self._sampled:
-                self._histogram((INPUT, call.call, -1), x)
+                self._histogram((INPUT, call.call, -1), x, module=module)
         if call.name not in self._called:
             self._called.add(call.name)
             weight = layer_weight(module)
             if weight is not None:
                 self._taps.add(WEIGHT, call, -1, weight)
                 if self._sampled:
-                    self._histogram((WEIGHT, call.call, -1), weight)
+                    self._histogram((WEIGHT, call.call, -1), weight, module=module)
 
     def grad(self, call: ModuleCall, order: int, grad: torch.Tensor) -> None:
         """The gradient w.r.t. the output of GEMM call ``call`` (still scaled). No sync."""
         self._taps.add(GRAD, call, order, grad)
         if self._sampled:
-            self._histogram((GRAD, call.call, order), grad, self._inv_scale(grad.device))
+            self._histogram((GRAD, call.call, order), grad, self._inv_scale(grad.device),
+                            module=self.layers.get(call.name))
 
     @property
     def dropped(self) -> int:
         """Peaks not kept this step (beyond the per-step limit), until :meth:`finish`."""
         return self._taps.dropped
 
-    def _histogram(self, key: tuple, tensor: torch.Tensor, inv: torch.Tensor | None = None) -> None:
+    def _histogram(self, key: tuple, tensor: torch.Tensor, inv: torch.Tensor | None = None, *,
+                   module: nn.Module | None) -> None:
         """``key``: (kind, call, backward order or -1), as the row's (a gradient that arrives
         twice, under ``retain_graph``, is two rows)."""
         if len(self._hists) >= MAX_FINE_HISTS:
             self.dropped_hists += 1
             return
         self._hists[key] = fine_hist(tensor, inv)
+        if self._blocks_on and module is not None and len(self._blocks) < MAX_BLOCK_STATS:
+            view = block_view(module, key[0], tensor)
+            if view is not None:
+                self._blocks[key] = pack(block_stats(view, inv))
 
     def finish(self, step: int) -> GemmRecord | None:
         """The step's operands (device tensors, to be copied to the host), or None when no GEMM
@@ -135,7 +164,10 @@ class GemmOperands:
             return None
         device = light.peaks.device
         hists = list(self._hists.values())
+        blocks = list(self._blocks.values())
         return GemmRecord(
             taps=light.taps, peaks=light.peaks, hist_keys=list(self._hists),
             hists=torch.stack([h.to(device, non_blocking=True) for h, _ in hists]) if hists else None,
-            zeros=torch.stack([z.to(device, non_blocking=True) for _, z in hists]) if hists else None)
+            zeros=torch.stack([z.to(device, non_blocking=True) for _, z in hists]) if hists else None,
+            block_keys=list(self._blocks),
+            blocks=torch.stack([b.to(device, non_blocking=True) for b in blocks]) if blocks else None)

@@ -47,6 +47,8 @@ def start_copies(record: StepRecord, copies: HostCopies) -> None:
         record.gemm.peaks = copy(record.gemm.peaks)
         if record.gemm.hists is not None:
             record.gemm.hists, record.gemm.zeros = copy(record.gemm.hists), copy(record.gemm.zeros)
+        if record.gemm.blocks is not None:
+            record.gemm.blocks = copy(record.gemm.blocks)
     record.scalars = copy(record.scalars) if record.scalars is not None else None
     items = (*record.groups, *record.taps)
     lost = [item for item in items if item.lost is not None]

@@ -57,9 +57,14 @@ class StepPlan:
             return "full"
         if self.level != "full":
             return None
-        if step % self.module_every == 0:
+        if self.module_sampled(step):
             return "full"
         return "light" if self.light_taps else None
+
+    def module_sampled(self, step: int) -> bool:
+        """Whether ``step`` is module-sampled on the cadence (``level="full"``, ``module_every``),
+        escalated or not."""
+        return self.level == "full" and step % self.module_every == 0
 
     def escalate(self, after_step: int) -> None:
         """An anomaly was seen by the end of ``after_step``: escalate the steps after it."""

@@ -484,7 +484,8 @@ class Recorder:
             observe = self._light_taps.add if self.options.flight_steps else _ignore
         observe_input = observe_grad = None
         if self._gemm is not None and self._module_stats is not None:
-            self._gemm.start(sampled=self._module_stats == "full")
+            # (block statistics on the module_every cadence alone: escalations come in runs of 20 steps)
+            self._gemm.start(sampled=self._module_stats == "full", blocks=self._plan.module_sampled(self.step))
             observe_input, observe_grad = self._gemm.input, self._gemm.grad
         if self._measured.probe is not None:  # the taps' own ops must not be shadowed
             observe = self._measured.paused(observe or self.observe_tap)

@@ -56,6 +56,8 @@ class GemmRecord:
     hist_keys: list[tuple]            # (kind, call, backward order or -1) of each histogram
     hists: torch.Tensor | None        # int64 [hist_keys, FINE_BINS]: nonzero elements by fine bin (gradients unscaled)
     zeros: torch.Tensor | None        # int64 [hist_keys]: exact zeros
+    block_keys: list[tuple] = field(default_factory=list)  # (kind, call, order) of each block statistics
+    blocks: torch.Tensor | None = None  # float64 [block_keys, BLOCK_VALUES]: packed block statistics
 
 
 @dataclass

@@ -137,6 +137,7 @@ class _StepColumns:
             "computed_inputs": _objects(n, None if taps is None else [
                 [~i for i in t.call.inputs if through_untapped(i)] for t in taps]),
             "fine_hist": _objects(n),
+            "block_stats": _objects(n),
         }, n
 
 
@@ -163,7 +164,8 @@ def _unscaled_peaks(taps: list[TapObservation], peaks, scale: float, grad_kind: 
 def _gemm_rows(step: _StepColumns, gemm: GemmRecord) -> Block:
     """GEMM operand rows (gemm_operands.py): one per call's input and output gradient, one per
     called layer's weight; ``amax`` the peak (gradients unscaled), ``call`` and, on gradients, the
-    backward ``order``; on module-sampled steps ``n_zero`` and ``fine_hist``."""
+    backward ``order``; on module-sampled steps ``n_zero`` and ``fine_hist``, and on those of the
+    cadence ``block_stats``."""
     grad_kind = GEMM_KINDS[2]
     taps = observations(gemm.taps)
     amax = _unscaled_peaks(taps, gemm.peaks, step.scale, grad_kind)
@@ -176,6 +178,11 @@ def _gemm_rows(step: _StepColumns, gemm: GemmRecord) -> Block:
         index = [where.get((t.kind, t.call.call, t.order)) for t in taps]
         block["n_zero"] = _objects(n, [None if i is None else int(zeros[i]) for i in index])
         block["fine_hist"] = _objects(n, [None if i is None else hists[i] for i in index])
+    if gemm.blocks is not None:
+        where = {key: i for i, key in enumerate(gemm.block_keys)}
+        blocks = gemm.blocks.numpy()
+        block["block_stats"] = _objects(n, [None if (i := where.get((t.kind, t.call.call, t.order))) is None
+                                            else blocks[i] for t in taps])
     return block, n
 
 

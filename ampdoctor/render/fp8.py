@@ -117,6 +117,24 @@ def keep_items(data: dict) -> list[str]:
             for layer in data.get("layers") or [] if layer.get("verdict") == "keep"]
 
 
+def block_headers(data: dict) -> tuple[str, ...]:
+    recipes = (data.get("block_formats") or {}).get("recipes") or []
+    return ("layer", *(words.block_recipe_label(r["name"]) for r in recipes))
+
+
+def block_rows(data: dict) -> list[list[str]]:
+    """The block formats' table: per layer, each recipe's verdict and its worst operand's lost share."""
+    rows = []
+    for layer in (data.get("block_formats") or {}).get("layers") or []:
+        cells = []
+        for r in layer.get("recipes") or []:
+            verdict, lost = r.get("verdict"), r.get("lost_max")
+            cells.append(words.BLOCK_VERDICTS.get(verdict, str(verdict))
+                         + ("" if lost is None or verdict == "not_converted" else f" {percent(lost)}"))
+        rows.append([layer["name"], *cells])
+    return rows
+
+
 def _legends(data: dict) -> list[str]:
     legends = [words.TABLE_LEGEND]
     if any(not layer.get("converted", True) for layer in data.get("layers") or []):
@@ -189,10 +207,24 @@ def fp8_text(data: dict, color: bool = False, top: int | None = TOP) -> str:
             out.append("  " + _more(data, more))
     else:
         out.append("  no layer clips under any delayed history")
+    out += _block_text(data, heading)
     out += ["", heading("Limits")]
     for item in words.limits(data):
         out += _wrap(item, "  - ", rest="    ")
     return "\n".join(out)
+
+
+def _block_text(data: dict, heading) -> list[str]:
+    out = ["", heading("Block formats (MXFP8, MXFP4, NVFP4)")] + _wrap(words.block_verdict(data))
+    rows = block_rows(data)
+    if rows:
+        headers = block_headers(data)
+        out += [""] + _columns(headers, [[shorten(r[0], 30, keep_head=False)] + r[1:] for r in rows],
+                               (30,) + (13,) * (len(headers) - 1), right=())
+        out += _wrap(words.BLOCK_LEGEND, "    ")
+    for item in words.block_keep_items(data):
+        out += _wrap(item, "  - ", rest="    ")
+    return out
 
 
 # -- Markdown -------------------------------------------------------------------------------------
@@ -217,6 +249,13 @@ def fp8_markdown(data: dict, top: int | None = TOP) -> str:
             else ["No layer clips under any delayed history."])
     if more:
         out += ["", escaped_text(_more(data, more))]
+    out += ["", "## Block formats (MXFP8, MXFP4, NVFP4)", "", _prose(words.block_verdict(data))]
+    rows = block_rows(data)
+    if rows:
+        out += [""] + table_lines(block_headers(data), rows, code=(0,)) + ["", escaped_text(words.BLOCK_LEGEND)]
+    block_kept = words.block_keep_items(data)
+    if block_kept:
+        out += [""] + bullet_lines(block_kept)
     out += ["", "## Limits", ""] + bullet_lines(words.limits(data))
     return "\n".join(out) + "\n"
 
@@ -225,6 +264,18 @@ def fp8_markdown(data: dict, top: int | None = TOP) -> str:
 
 def _code_cell(name: str) -> str:
     return f"<code>{escaped(name)}</code>"
+
+
+def _block_html(data: dict) -> str:
+    rows = block_rows(data)
+    block = f'<p class="answer">{prose(words.block_verdict(data))}</p>'
+    if rows:
+        block += (_table(block_headers(data), [[_code_cell(r[0])] + [escaped(c) for c in r[1:]] for r in rows],
+                         name=(0,)) + f'<p class="legend">{escaped(words.BLOCK_LEGEND)}</p>')
+    block_kept = words.block_keep_items(data)
+    if block_kept:
+        block += "<ul>" + "".join(f"<li>{prose(k)}</li>" for k in block_kept) + "</ul>"
+    return block
 
 
 def fp8_html(data: dict) -> str:
@@ -243,6 +294,7 @@ def fp8_html(data: dict) -> str:
     parts += [("delayed", "Delayed scaling: clipped passes (HYBRID formats)",
                _table(_headers(data), [[_code_cell(r[0])] + [escaped(c) for c in r[1:]] for r in delayed],
                       name=(0,)) if delayed else "<p>No layer clips under any delayed history.</p>"),
+              ("blocks", "Block formats (MXFP8, MXFP4, NVFP4)", _block_html(data)),
               ("limits", "Limits", "<ul>" + "".join(f"<li>{prose(item)}</li>" for item in words.limits(data))
                + "</ul>")]
     return page(TITLE, str(data.get("path", "")), parts, summary=words.summary_line(data), extra_css=EXTRA_CSS)

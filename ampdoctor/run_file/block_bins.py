@@ -85,3 +85,34 @@ def window_index(values: np.ndarray, window: tuple[int, int]) -> np.ndarray:
     low, high = window
     key = (np.asarray(values, dtype=np.float32).view(np.int32) & 0x7FFFFFFF) >> KEY_SHIFT
     return np.clip(key - ((low + 127) << 3) + 1, 0, (high - low) * PER_BINADE + 1)
+
+
+# The ``block_stats`` column (schema.py): one operand's statistics, flat, as float64 (the counts are
+# integers below 2^53: exact), in this order. ``rows``: the rows of the operand's 2-D view (blocks
+# along its last dimension) that were read, and how many it has (a large operand is read at a
+# systematic sample of rows: stats/block_stats.py).
+LAYOUT = (
+    ("mx_rel", (len(MX_CLASSES) + 1, REL_BINS)),
+    ("mx_blocks", (2, len(MX_CLASSES) + 1, EXP_BINS)),
+    ("nv_q", (Q_BINS,)),
+    ("nv_ratio", (RATIO_BINS,)),
+    ("nv_clamped", (2,)),
+    ("measured", (len(RECIPES), 4)),
+    ("nonzero", ()),
+    ("rows", (2,)),
+)
+BLOCK_VALUES = sum(int(np.prod(shape)) for _, shape in LAYOUT)
+
+
+def unpack(values) -> dict[str, np.ndarray]:
+    """The parts of one ``block_stats`` value (:data:`LAYOUT`), as float64 arrays of their shapes.
+    Raises ValueError for a value of another length."""
+    flat = np.asarray(values, dtype=np.float64)
+    if flat.shape != (BLOCK_VALUES,):
+        raise ValueError(f"a block_stats value holds {BLOCK_VALUES} numbers, not {flat.size}")
+    parts, at = {}, 0
+    for name, shape in LAYOUT:
+        size = int(np.prod(shape))
+        parts[name] = flat[at:at + size].reshape(shape)
+        at += size
+    return parts

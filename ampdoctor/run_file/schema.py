@@ -155,6 +155,11 @@ def run_schema(metadata: dict[str, str] | None = None) -> pa.Schema:
         # bits of their float32 magnitude (stats/fine_hist.py: 8 bins per binade, 2048 in all). Null on
         # other rows and in runs written before it existed.
         pa.field("fine_hist", pa.list_(pa.int64())),
+        # GEMM operand rows of layers that block formats convert (not convolutions), on the
+        # module-sampled steps of the `module_every` cadence: the operand's block statistics
+        # (stats/block_stats.py; run_file/block_bins.py LAYOUT: 3,201 numbers). Null on other rows
+        # and in runs written before it existed.
+        pa.field("block_stats", pa.list_(pa.float64())),
     ]
     return pa.schema(fields, metadata=metadata)
 

@@ -6,9 +6,15 @@ is read for first (a Linear's input and weight in the forward, its output gradie
 gradient's GEMM); a last dimension that is not a multiple of the block is padded with zeros, as
 the recipes pad it (zeros change no block's amax and are not counted).
 
-Limits: the temporaries are not chunked (about 50 bytes per element: 3 GB for a 4096 x 14336
-operand), and each operand costs some 300 small kernels: a fused kernel is what recording it on
-every sampled step needs (issue 42). Non-finite operands are not meant (their figures are NaN).
+An operand of more than :data:`MAX_ELEMENTS` elements is read at a systematic sample of its rows
+(every k-th row of its 2-D view, blocks whole): the temporaries (about 50 bytes per element read)
+stay below ~13 MB and the cost per operand bounded, whatever the model. The sample's figures are
+those of the rows read (exact for them); NVFP4's tensor scale still comes from the whole operand's
+amax, as the recipe takes it. The rows read and the operand's rows are recorded beside the counts.
+
+Limits: each operand costs some 300 small kernels (a fused kernel would be one: on a GPU the
+launches, not the bytes, are the cost of a module-sampled step's block statistics; docs/benchmarks.md).
+Non-finite operands are not meant (their figures are NaN).
 
 Device work per operand: one float32 copy, the block amaxes (MX and NVFP4), the tensor amax, a few
 elementwise passes per recipe (its scaled elements and their cast, summed: the measured figures)
@@ -27,7 +33,10 @@ import torch
 from ..run_file.block_bins import (E4M3_EPS, ELEMENTS, EXP_BINS, EXP_RANGE, KEY_SHIFT, MX_BLOCK, MX_CLASSES,
                                    NV_BLOCK, NV_TENSOR_DIVISOR, PER_BINADE, Q_BINS, Q_WINDOW, RATIO_BINS, RATIO_WINDOW,
                                    RECIPES, REL_BINS, REL_WINDOW)
+from ..run_file.block_bins import BLOCK_VALUES, LAYOUT
 from .fine_hist import count_bins
+
+MAX_ELEMENTS = 1 << 18  # elements read per operand at most (a systematic sample of rows beyond)
 
 
 @dataclass
@@ -42,26 +51,52 @@ class BlockStats:
     measured: torch.Tensor    # float64 [len(RECIPES), 4]: per recipe, flushed and saturated elements,
                               # sum (q - Q(q))^2 and sum q^2, cast as torchao casts
     nonzero: torch.Tensor     # 0-dim: nonzero elements
+    rows: tuple[int, int] = (1, 1)  # rows of the 2-D view read, and its rows
 
 
-def block_stats(tensor: torch.Tensor) -> BlockStats:
-    """The block statistics of ``tensor`` (any float dtype; non-finite values are not meant: the
-    caller observes finite operands). No sync."""
+def block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = None,
+                max_elements: int = MAX_ELEMENTS) -> BlockStats:
+    """The block statistics of ``tensor`` (any float dtype; times ``inv_scale``, a 0-dim float32 on
+    its device, as torch's ``unscale_`` multiplies), blocks along its last dimension, of a
+    systematic sample of its rows when it has more than ``max_elements`` (module docstring).
+    Non-finite values are not meant (the caller observes finite operands). No sync."""
     with torch.no_grad():
-        x = tensor.detach().float().abs()
-        if not x.numel():  # (an expert that got no token: nothing counted)
-            return _empty(x.device)
-        x = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+        t = tensor.detach()
+        if not t.numel():  # (an expert that got no token: nothing counted)
+            return _empty(t.device)
+        t = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+        rows = t.shape[0]
+        # NVFP4's tensor scale: the whole operand's amax (a reduction, no copy), as the recipe's
+        tensor_amax = torch.linalg.vector_norm(t, float("inf")).float()
+        step = -(-t.numel() // max_elements)
+        if step > 1:  # (index_select: a fake CUDA tensor refuses strided slices)
+            t = t.index_select(0, torch.arange(0, rows, step, device=t.device))
+        x = t.float()
+        if inv_scale is not None:
+            x, tensor_amax = x * inv_scale, tensor_amax * inv_scale
+        x = x.abs()
         nonzero = (x != 0).sum()
         rel, blocks, mx_measured = _mx(x)
-        q, ratio, clamped, nv_measured = _nvfp4(x)
-    return BlockStats(rel, blocks, q, ratio, clamped, torch.stack([*mx_measured, nv_measured]), nonzero)
+        q, ratio, clamped, nv_measured = _nvfp4(x, tensor_amax)
+    return BlockStats(rel, blocks, q, ratio, clamped, torch.stack([*mx_measured, nv_measured]), nonzero,
+                      (x.shape[0], rows))
+
+
+def pack(stats: BlockStats) -> torch.Tensor:
+    """float64 ``[BLOCK_VALUES]`` on the statistics' device: the ``block_stats`` column's value
+    (run_file.block_bins.LAYOUT). No sync."""
+    parts = [getattr(stats, name).reshape(-1).double() for name, _ in LAYOUT[:-1]]
+    # (fills on the device, not a copy from the host)
+    parts += [stats.nonzero.new_full((1,), n, dtype=torch.float64) for n in stats.rows]
+    flat = torch.cat(parts)
+    assert flat.numel() == BLOCK_VALUES
+    return flat
 
 
 def _empty(device: torch.device) -> BlockStats:
     zeros = lambda *shape, dtype=torch.int64: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
     return BlockStats(zeros(3, REL_BINS), zeros(2, 3, EXP_BINS), zeros(Q_BINS), zeros(RATIO_BINS), zeros(2),
-                      zeros(len(RECIPES), 4, dtype=torch.float64), zeros())
+                      zeros(len(RECIPES), 4, dtype=torch.float64), zeros(), (0, 0))
 
 
 def _blocks(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -88,7 +123,8 @@ def _mx(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]
     counts = present.sum(dim=1)
     per_block = count_bins(cell, 3 * EXP_BINS, weights=(amax > 0).to(torch.int64))
     per_element = count_bins(cell, 3 * EXP_BINS, weights=counts)
-    measured = [_measure(b, _mx_scaled(b, mantissa, exponent - 1, element, scale), element)
+    zeros = b.numel() - counts.sum()
+    measured = [_measure(_mx_scaled(b, mantissa, exponent - 1, element, scale), element, zeros)
                 for _, element, scale in RECIPES if scale != "nvfp4"]
     return mx_rel, torch.stack([per_block, per_element]).reshape(2, 3, EXP_BINS), measured
 
@@ -108,14 +144,14 @@ def _mx_scaled(b: torch.Tensor, mantissa: torch.Tensor, floor: torch.Tensor, ele
     return b * reciprocal.masked_fill(biased == 0, 1.0).unsqueeze(1)
 
 
-def _measure(b: torch.Tensor, q: torch.Tensor, element: str) -> torch.Tensor:
-    """float64 [4]: flushed and saturated nonzero elements, sum (q - Q)^2, sum q^2."""
-    present = b != 0
-    # (only the nonzero elements count: an all-zero tensor's NVFP4 scale is 0, its q NaN)
-    q = q.masked_fill(present.logical_not(), 0.0)
+def _measure(q: torch.Tensor, element: str, zeros: torch.Tensor) -> torch.Tensor:
+    """float64 [4]: flushed and saturated nonzero elements, sum (q - Q)^2, sum q^2 (``q`` 0 where
+    the element is; ``zeros``: how many are, padding included)."""
     cast = _cast(q, element)
-    return torch.stack([(present & (cast == 0)).sum().double(), (q > ELEMENTS[element][2]).sum().double(),
-                        ((q - cast).double() ** 2).sum(), (q.double() ** 2).sum()])
+    d = q - cast  # (exact: Q is 0 or within a factor of two of q)
+    # (squares summed in float32 within each block, a few ulps, then in float64 over the blocks)
+    return torch.stack([((cast == 0).sum() - zeros).double(), (q > ELEMENTS[element][2]).sum().double(),
+                        (d * d).sum(dim=1).double().sum(), (q * q).sum(dim=1).double().sum()])
 
 
 def _cast(q: torch.Tensor, element: str) -> torch.Tensor:
@@ -123,27 +159,29 @@ def _cast(q: torch.Tensor, element: str) -> torch.Tensor:
     fmax = ELEMENTS[element][2]
     q = q.clamp(max=fmax)
     if element == "e2m1":  # (spacing 0.5 below 2, 1 below 4, 2 up to 6; torch.round: ties to even)
-        return torch.where(q < 2, torch.round(q * 2) / 2, torch.where(q < 4, torch.round(q), torch.round(q / 2) * 2))
+        spacing = torch.where(q < 2, 0.5, torch.where(q < 4, 1.0, 2.0))
+        return torch.round(q / spacing) * spacing
     return q.to(torch.float8_e4m3fn if element == "e4m3" else torch.float8_e5m2).float()
 
 
-def _nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nvfp4(x: torch.Tensor, tensor_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As torchao's ``nvfp4_quantize`` with a per-tensor scale from the tensor's amax."""
     b = _blocks(x, NV_BLOCK)
     amax = b.amax(dim=1)
-    tensor_amax = amax.max()
     tensor_scale = tensor_amax / NV_TENSOR_DIVISOR
     scaled = (amax / 6.0) / tensor_scale
     clamped = scaled < E4M3_EPS
     block_scale = torch.clamp(scaled, min=E4M3_EPS, max=448.0).to(torch.float8_e4m3fn).to(torch.float32)
     q = b * ((1.0 / tensor_scale) / block_scale).unsqueeze(1)
     present = b != 0
+    # (only the nonzero elements count: an all-zero tensor's scale is 0, its q NaN)
+    q = q.masked_fill(present.logical_not(), 0.0)
     nv_q = _count_where(_window(q, Q_WINDOW), present, Q_BINS)
     seen = amax > 0
     nv_ratio = _count_where(_window(amax / tensor_amax, RATIO_WINDOW), seen, RATIO_BINS)
     blocks = clamped & seen
     nv_clamped = torch.stack([blocks.sum(), (present & blocks.unsqueeze(1)).sum()])
-    return nv_q, nv_ratio, nv_clamped, _measure(b, q, "e2m1")
+    return nv_q, nv_ratio, nv_clamped, _measure(q, "e2m1", b.numel() - present.sum())
 
 
 def _count_where(index: torch.Tensor, where: torch.Tensor, bins: int) -> torch.Tensor:

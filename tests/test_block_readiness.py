@@ -1,0 +1,348 @@
+"""Issue 42's acceptance on recorded runs: ``ampdoctor fp8``'s block formats (MXFP8, MXFP4, NVFP4)
+against torchao's reference casts of the operands that hooks of the test's own capture while
+ampdoctor records (tests/block_truth.py, tests/fp8_truth.py's ``OperandCapture``), on GPT-2, BERT,
+ViT and a LLaMA-style model from tiny configs, in bf16 and fp16 (a real GradScaler), with and
+without planted outliers; then what the recorder writes (only on the cadence's steps, not for
+convolutions, a transposed ``Conv1D`` weight, a sample of a large operand's rows), old runs, the
+exports and the command."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+pytest.importorskip("torchao")
+
+import architectures as A  # noqa: E402
+import block_truth as T  # noqa: E402
+import fp8_truth as F8  # noqa: E402
+import ampdoctor  # noqa: E402
+from ampdoctor.analysis import fp8 as fp8_analysis  # noqa: E402
+from ampdoctor.analysis.block_formats import RECIPES, BlockStatsHost, measured  # noqa: E402
+from ampdoctor.analysis.block_readiness import (VERDICT_RECIPES, baseline, block_predictions, passes_of,  # noqa: E402
+                                                run_block_passes)
+from ampdoctor.cli.commands import TE_RECIPES, main  # noqa: E402
+from ampdoctor.stats.block_stats import block_stats, pack  # noqa: E402
+from contract_check import FP8_CONTRACT, check_contract  # noqa: E402
+
+CAST = {r.name: r for r in RECIPES}
+STEPS, MODULE_EVERY = 7, 3   # sampled (on the cadence) at steps 0, 3, 6
+OPERANDS = {"input": "input", "weight": "weight", "grad_output": "grad_output"}
+
+
+def within(predicted: float, true: float) -> bool:
+    """Issue 42's tolerance: max(0.5 percentage points, 25%) of the truth."""
+    return abs(predicted - true) <= max(0.005, 0.25 * true)
+
+
+def _plant(model: nn.Module) -> None:
+    """One large weight (the first GEMM layer's, x1000) and a massive activation channel (channel 3
+    of the input embedding, x100)."""
+    first = next(m for m in F8.gemm_layers(model).values() if not isinstance(m, nn.Conv2d))
+    with torch.no_grad():
+        first.weight.view(-1)[0] *= 1000.0
+        embedding = model.get_input_embeddings()
+        if isinstance(embedding, nn.Embedding):
+            embedding.weight[:, 3] *= 100.0
+        else:  # (ViT: the patch embedding's convolution)
+            embedding.projection.bias[3] += 100.0
+
+
+def _train(name: str, dtype: torch.dtype, planted: bool, path):
+    """``name`` trained STEPS steps with ampdoctor recording at level='full' (module_every 3) and the
+    test's own capture; returns the model, the capture and each step's loss scale."""
+    arch = A.build(name)
+    model = arch.model
+    if planted:
+        _plant(model)
+    fp16 = dtype == torch.float16
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = ampdoctor.GradScaler("cpu", enabled=fp16, path=path, level="full", model=model,
+                                  module_every=MODULE_EVERY, init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    capture = F8.OperandCapture(model)
+    scales = []
+    try:
+        for step in range(STEPS):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = arch.loss(model, step)
+            scales.append(float(scaler.get_scale()) if fp16 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        capture.remove()
+        scaler.close()
+    return model, capture, scales
+
+
+def _oriented(module: nn.Module, operand: str, x: torch.Tensor) -> torch.Tensor:
+    """As the GEMM reduces it: transformers' Conv1D keeps its weight [in, out] (the reduction
+    dimension first)."""
+    return x.t() if operand == "weight" and not isinstance(module, nn.Linear) else x
+
+
+def _truth(model, capture, scales) -> dict:
+    """(layer, operand, step, cast) -> torchao's cast of the captured operand (gradients unscaled),
+    at the cadence's steps; convolutions (not converted) and non-finite operands left out."""
+    layers = F8.gemm_layers(model)
+    out = {}
+    for layer, slots in capture.operands.items():
+        module = layers[layer]
+        if isinstance(module, nn.Conv2d):
+            continue
+        for operand in OPERANDS:
+            seq = slots[operand]
+            assert len(seq) == STEPS, (layer, operand, len(seq))  # one call per step in these models
+            for step in range(0, STEPS, MODULE_EVERY):
+                x = seq[step] / scales[step] if operand == "grad_output" else seq[step]
+                if not bool(torch.isfinite(x).all()) or not bool((x != 0).any()):
+                    continue
+                x = _oriented(module, operand, x)
+                for r in RECIPES:
+                    out[(layer, operand, step, r.name)] = T.cast(x, r.element.name, r.scale, r.block, r.element.max)
+    return out
+
+
+CASES = [("gpt2", torch.bfloat16, True), ("gpt2", torch.float16, False), ("bert", torch.float16, True),
+         ("bert", torch.bfloat16, False), ("vit", torch.bfloat16, True), ("vit", torch.float16, False),
+         ("llama", torch.float16, True), ("llama", torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize("name, dtype, planted", CASES,
+                         ids=[f"{n}-{str(d)[6:]}-{'outliers' if p else 'plain'}" for n, d, p in CASES])
+def test_recorded_block_figures_are_torchaos_casts(name, dtype, planted, tmp_path):
+    """Every (layer, operand, sampled step, cast) the run holds: the measured shares are the casts'
+    own (the relative error to float rounding), the histograms' predictions within issue 42's
+    tolerance for at least 95% of them; every sampled operand of every converted layer is there;
+    and the keep list of each recipe is the one the truth's figures give, away from the limit."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, capture, scales = _train(name, dtype, planted, path)
+    truth = _truth(model, capture, scales)
+    run = ampdoctor.read_run(path)
+    rows = block_predictions(run_block_passes(run))
+    got = {(r["layer"], r["operand"], r["step"], r["cast"]): r for r in rows}
+    assert set(truth) <= set(got), sorted(set(truth) - set(got))[:5]
+    misses = 0
+    for key, t in truth.items():
+        r = got[key]
+        assert (r["flushed"], r["saturated"]) == (t.flushed, t.saturated), key
+        assert r["error"] == pytest.approx(t.error, rel=1e-6, abs=1e-12), key
+        assert r["rows_read"] == 1.0
+        misses += not (within(r["predicted_flushed"], t.flushed) and within(r["predicted_saturated"], t.saturated))
+    assert misses <= 0.05 * len(truth), (misses, len(truth))
+
+    # the keep lists: per recipe, a layer whose operand loses (truth) more than the limit beyond
+    # the Gaussian baseline; layers within +-50% of the limit left out of the comparison
+    data = fp8_analysis.fp8_data(run)
+    check_contract(json.loads(json.dumps(data)), FP8_CONTRACT)
+    blocks = data["block_formats"]
+    assert blocks["assessed"] and blocks["sampled_steps"] == [0, 3, 6] and "per_block_formats" not in data["limits"]
+    limit = blocks["flush_limit"]
+    compared = 0
+    for recipe, entry in zip(VERDICT_RECIPES, blocks["recipes"]):
+        excess: dict[str, float] = {}
+        for (layer, operand, _, cast), t in truth.items():
+            if recipe.casts[operand] == cast:
+                base = sum(baseline(cast))
+                excess[layer] = max(excess.get(layer, -1.0), t.flushed + t.saturated - base)
+        clear = {layer for layer, e in excess.items() if abs(e - limit) > 0.5 * limit}
+        true_keep = {layer for layer in clear if excess[layer] > limit}
+        assert true_keep == set(entry["keep"]) & clear, recipe.name
+        compared += len(clear)
+    assert compared >= len(VERDICT_RECIPES) * 3  # (the comparison is not of nothing)
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory):
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("blocks") / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train("gpt2", torch.bfloat16, True, path)
+    return path
+
+
+def test_the_gaussian_baseline_is_the_devices_arithmetic():
+    """The baseline a verdict allows each cast (numpy, no torch at read time) is what the device's
+    statistics measure on the same Gaussian operand; FP4 casts lose several percent of it,
+    MXFP8's round-up scales almost nothing."""
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((1 << 16, 32)).astype(np.float32))
+    stats = BlockStatsHost.from_values(pack(block_stats(x, max_elements=x.numel())).numpy())
+    assert not stats.sampled
+    for recipe in RECIPES:
+        m = measured(stats, recipe)
+        assert baseline(recipe.name) == pytest.approx((m.flushed, m.saturated), abs=1e-12), recipe.name
+    assert sum(baseline("nvfp4")) > 0.05 and sum(baseline("mxfp4_floor")) > 0.05
+    assert sum(baseline("mxfp8_e4m3_round_up")) < 1e-4
+
+
+def test_a_large_operand_is_read_at_a_systematic_sample_of_rows():
+    """Beyond max_elements the statistics are of every k-th row, exactly as torchao casts those rows
+    (NVFP4's tensor scale still from the whole operand's amax), and the rows read are recorded."""
+    torch.manual_seed(11)
+    x = torch.randn(300, 64) * torch.exp(torch.randn(300, 1) * 2)
+    x[7, 5] = 1e4  # (the tensor amax, in a row the sample leaves out)
+    stats = BlockStatsHost.from_values(pack(block_stats(x, max_elements=64 * 100)).numpy())
+    assert stats.rows == (100, 300) and stats.sampled
+    rows = x[::3]
+    assert 7 not in range(0, 300, 3)
+    for recipe in RECIPES:
+        t = T.cast(rows, recipe.element.name, recipe.scale, recipe.block, recipe.element.max,
+                   tensor_amax=x.abs().amax())
+        m = measured(stats, recipe)
+        assert (m.flushed, m.saturated) == (t.flushed, t.saturated), recipe.name
+    # unsampled, the same operand: its own figures, every row
+    whole = BlockStatsHost.from_values(pack(block_stats(x)).numpy())
+    assert whole.rows == (300, 300) and not whole.sampled
+
+
+def test_the_recorder_takes_them_on_the_cadence_only_and_not_for_convolutions(tmp_path):
+    """Block statistics on the module_every steps alone (escalated steps after a skipped one have
+    fine histograms, not block statistics), for Linear and Conv1D layers (the Conv1D weight
+    transposed: blocks along its reduction dimension), never for a convolution."""
+
+    class Conv1D(nn.Module):  # (transformers' Conv1D: weight [in, out], known by nf)
+        def __init__(self, nx, nf):
+            super().__init__()
+            self.nf = nf
+            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+
+        def forward(self, x):
+            return x @ self.weight
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 8, 3, padding=1)
+            self.proj = Conv1D(8, 40)
+            self.head = nn.Linear(40, 1)
+
+        def forward(self, x):
+            return self.head(self.proj(self.conv(x).transpose(1, 2)))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model, module_every=4,
+                                  init_scale=2.0 ** 8)
+    weights = {}
+    try:
+        for step in range(9):
+            weights[step] = model.proj.weight.detach().clone()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 4, 6)).float().pow(2).mean()
+            if step == 1:
+                loss = loss * float("inf")  # a skipped step: the next 20 are escalated
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        scaler.close()
+    frame = pq.read_table(tmp_path / "run").to_pandas()
+    gemm = frame[frame["kind"].str.startswith("gemm")]
+    with_blocks = gemm[gemm["block_stats"].notna()]
+    assert sorted(with_blocks["step"].unique()) == [0, 4, 8]
+    assert sorted(gemm[gemm["fine_hist"].notna()]["step"].unique()) == list(range(9)[:1]) + list(range(2, 9))
+    assert set(with_blocks["name"]) == {"proj", "head"}  # not the convolution
+    for step in (0, 4, 8):
+        row = with_blocks[(with_blocks["name"] == "proj") & (with_blocks["kind"] == "gemm_weight")
+                          & (with_blocks["step"] == step)]
+        expected = pack(block_stats(weights[step].t())).numpy()
+        assert np.array_equal(np.asarray(row["block_stats"].iloc[0]), expected), step
+
+
+def test_ranks_sum_into_one_pass():
+    """Two ranks' statistics of one pass add up: the shares are those of the two casts together."""
+    torch.manual_seed(2)
+    a, b = torch.randn(8, 64), torch.randn(8, 64) * 1e-3
+    frame = __import__("pandas").DataFrame({
+        "step": [0, 0], "rank": [0, 1], "kind": ["gemm_input"] * 2, "name": ["fc"] * 2, "call": [0, 0],
+        "block_stats": [pack(block_stats(a)).numpy(), pack(block_stats(b)).numpy()]})
+    passes = passes_of(frame)
+    assert passes.ranks == 2
+    [(step, call, stats)] = passes.operands[("fc", "gemm_input")]
+    for recipe in RECIPES:
+        ta, tb = (T.cast(x, recipe.element.name, recipe.scale, recipe.block, recipe.element.max) for x in (a, b))
+        m = measured(stats, recipe)
+        assert m.flushed == pytest.approx((ta.flushed + tb.flushed) / 2) and m.saturated == pytest.approx(
+            (ta.saturated + tb.saturated) / 2), recipe.name
+
+
+def test_the_engine_and_pyarrow_read_the_same_passes(gpt2_run, monkeypatch):
+    from ampdoctor.analysis import block_readiness
+    from ampdoctor.read.engine import EngineCannot
+
+    run = ampdoctor.read_run(gpt2_run)
+    by_engine = block_predictions(run_block_passes(run))
+
+    def refuse(*args, **kwargs):
+        raise EngineCannot("refused")
+
+    monkeypatch.setattr(block_readiness, "present_batches", refuse)
+    assert block_predictions(run_block_passes(run)) == by_engine and by_engine
+
+
+def test_a_run_from_before_says_why_block_formats_are_not_assessed(gpt2_run, tmp_path):
+    """A run whose segments have no block_stats column (an ampdoctor before them): fp8 still reads
+    it, says why, and ``--recipe nvfp4 --te-config`` is one line and exit 2, nothing written."""
+    old = tmp_path / "old"
+    old.mkdir()
+    for segment in gpt2_run.iterdir():
+        if segment.suffix == ".parquet":
+            table = pq.read_table(segment)
+            pq.write_table(table.drop(["block_stats"]), old / segment.name)
+    data = fp8_analysis.fp8_data(ampdoctor.read_run(old))
+    assert not data["block_formats"]["assessed"] and "per_block_formats" in data["limits"]
+    assert "before 2026-11-28" in data["block_formats"]["why_not"]
+    result = CliRunner().invoke(main, ["fp8", str(old)])
+    assert result.exit_code == 0
+    flat = " ".join(result.output.split())
+    assert "Block formats (MXFP8, MXFP4, NVFP4) are not assessed: the run was recorded by an ampdoctor before" in flat
+    result = CliRunner().invoke(main, ["fp8", str(old), "--recipe", "nvfp4", "--te-config", str(tmp_path / "te.yaml")])
+    assert result.exit_code == 2 and "not assessed" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "te.yaml").exists()
+
+
+def test_the_command_and_its_exports(gpt2_run, tmp_path):
+    """Text, Markdown, HTML and JSON hold the block formats' verdicts; --recipe writes the recipe's
+    TransformerEngine config, which nvdlfw-inspect's own matcher applies to exactly the kept layers,
+    and the module_filter_fn leaves them out."""
+    yaml = pytest.importorskip("yaml")
+    data = fp8_analysis.fp8_data(ampdoctor.read_run(gpt2_run))
+    blocks = data["block_formats"]
+    nvfp4 = next(r for r in blocks["recipes"] if r["name"] == "nvfp4")
+    assert nvfp4["keep"], "the planted outliers should keep some layer out of NVFP4"
+    for fmt, marker in (("text", "Block formats (MXFP8, MXFP4, NVFP4)"), ("md", "## Block formats"),
+                        ("html", 'id="blocks"')):
+        out = CliRunner().invoke(main, ["fp8", str(gpt2_run), "--format", fmt])
+        assert out.exit_code == 0 and marker in out.output
+    assert all(len(line) <= 100 for line in CliRunner().invoke(main, ["fp8", str(gpt2_run)]).output.splitlines()
+               if "`" not in line)
+    target = tmp_path / "nvfp4.yaml"
+    out = CliRunner().invoke(main, ["fp8", str(gpt2_run), "--recipe", "nvfp4", "--te-config", str(target)])
+    assert out.exit_code == 0 and target.read_text() == nvfp4["te_debug_config"]
+    config = yaml.safe_load(target.read_text())
+    [(section, body)] = config.items()
+    assert section == "ampdoctor_keep_out_of_nvfp4" and body["transformer_engine"]["DisableFP8Layer"]["enabled"]
+    pattern = body["layers"]["layer_name_regex_pattern"]
+    import re
+    names = [layer["name"] for layer in blocks["layers"]]
+    assert {n for n in names if re.search(pattern, "model." + n)} == set(nvfp4["keep"])
+    keep_fn = eval(nvfp4["module_filter_fn"])  # noqa: S307 - the snippet the user pastes
+    assert {n for n in names if not keep_fn(None, n)} == set(nvfp4["keep"])
+
+
+def test_the_clis_recipes_are_the_librarys():
+    assert TE_RECIPES == ("fp8", *(r.name for r in VERDICT_RECIPES if r.te))
