@@ -283,7 +283,8 @@ def test_kernels_compile_for_hopper():
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 6 and all(line.startswith("ok") and "no global atomics" in line for line in lines), lines
+    assert len(lines) == 8 and all(line.startswith("ok") and "no global atomics" in line for line in lines), lines
+    assert sum(line.startswith("ok   block") for line in lines) == 2  # (the block statistics' kernel, issue 42)
 
 
 def test_a_collapsed_scale_is_clamped_in_the_kernel():

@@ -44,7 +44,7 @@ from torch.nn.utils import parametrize
 from .call_graph import ModuleCall
 from .light_taps import LightTaps, Repeat
 from .records import GemmRecord
-from ..stats.block_stats import block_stats, pack
+from ..stats.block_stats import packed_block_stats
 from ..stats.fine_hist import fine_hist
 
 INPUT, WEIGHT, GRAD = "gemm_input", "gemm_weight", "gemm_grad_output"  # schema.GEMM_KINDS
@@ -154,7 +154,7 @@ class GemmOperands:
         if self._blocks_on and module is not None and len(self._blocks) < MAX_BLOCK_STATS:
             view = block_view(module, key[0], tensor)
             if view is not None:
-                self._blocks[key] = pack(block_stats(view, inv))
+                self._blocks[key] = packed_block_stats(view, inv)
 
     def finish(self, step: int) -> GemmRecord | None:
         """The step's operands (device tensors, to be copied to the host), or None when no GEMM

@@ -26,6 +26,7 @@ tensor amax stays on the device.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from ..run_file.block_bins import (E4M3_EPS, ELEMENTS, EXP_BINS, EXP_RANGE, KEY_
                                    NV_BLOCK, NV_TENSOR_DIVISOR, PER_BINADE, Q_BINS, Q_WINDOW, RATIO_BINS, RATIO_WINDOW,
                                    RECIPES, REL_BINS, REL_WINDOW)
 from ..run_file.block_bins import BLOCK_VALUES, LAYOUT
+from .algorithms import triton_available
 from .fine_hist import count_bins
 
 MAX_ELEMENTS = 1 << 18  # elements read per operand at most (a systematic sample of rows beyond)
@@ -58,28 +60,66 @@ def block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = None,
                 max_elements: int = MAX_ELEMENTS) -> BlockStats:
     """The block statistics of ``tensor`` (any float dtype; times ``inv_scale``, a 0-dim float32 on
     its device, as torch's ``unscale_`` multiplies), blocks along its last dimension, of a
-    systematic sample of its rows when it has more than ``max_elements`` (module docstring).
-    Non-finite values are not meant (the caller observes finite operands). No sync."""
+    systematic sample of its rows when it has more than ``max_elements`` (module docstring), by
+    the torch path. Non-finite values are not meant (the caller observes finite operands). No sync."""
     with torch.no_grad():
-        t = tensor.detach()
-        if not t.numel():  # (an expert that got no token: nothing counted)
-            return _empty(t.device)
-        t = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-        rows = t.shape[0]
-        # NVFP4's tensor scale: the whole operand's amax (a reduction, no copy), as the recipe's
-        tensor_amax = torch.linalg.vector_norm(t, float("inf")).float()
-        step = -(-t.numel() // max_elements)
-        if step > 1:  # (index_select: a fake CUDA tensor refuses strided slices)
-            t = t.index_select(0, torch.arange(0, rows, step, device=t.device))
+        prepared = _prepared(tensor, inv_scale, max_elements)
+        if prepared is None:  # (an expert that got no token: nothing counted)
+            return _empty(tensor.device)
+        t, tensor_amax, rows = prepared
         x = t.float()
         if inv_scale is not None:
-            x, tensor_amax = x * inv_scale, tensor_amax * inv_scale
+            x = x * inv_scale
         x = x.abs()
         nonzero = (x != 0).sum()
         rel, blocks, mx_measured = _mx(x)
         q, ratio, clamped, nv_measured = _nvfp4(x, tensor_amax)
-    return BlockStats(rel, blocks, q, ratio, clamped, torch.stack([*mx_measured, nv_measured]), nonzero,
-                      (x.shape[0], rows))
+    return BlockStats(rel, blocks, q, ratio, clamped, torch.stack([*mx_measured, nv_measured]), nonzero, rows)
+
+
+def packed_block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = None,
+                       max_elements: int = MAX_ELEMENTS, algorithm: str | None = None) -> torch.Tensor:
+    """:func:`pack` of :func:`block_stats`: on CUDA where Triton runs, by one kernel
+    (:mod:`.block_triton`, the same numbers); ``algorithm`` ``"torch"`` or ``"triton"`` to choose
+    (the tests run the kernel on CPU tensors under Triton's interpreter). No sync."""
+    if algorithm is None:
+        algorithm = "triton" if tensor.device.type == "cuda" and not _TRITON_FAILED and triton_available() else "torch"
+    if algorithm == "triton":
+        with torch.no_grad():
+            prepared = _prepared(tensor, inv_scale, max_elements)
+            if prepared is not None:
+                t, tensor_amax, rows = prepared
+                try:
+                    from .block_triton import triton_packed  # (imports Triton: only where it runs)
+
+                    return triton_packed(t, tensor_amax, inv_scale, rows)
+                except Exception as exc:  # noqa: BLE001 - the torch path computes the same numbers
+                    _TRITON_FAILED.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                    warnings.warn(f"ampdoctor: the Triton block statistics kernel failed here ({_TRITON_FAILED[0]}); "
+                                  "using the torch path instead", RuntimeWarning, stacklevel=2)
+    return pack(block_stats(tensor, inv_scale, max_elements))
+
+
+_TRITON_FAILED: list[str] = []  # why the kernel stopped being used in this process, if it did
+
+
+def _prepared(tensor: torch.Tensor, inv_scale: torch.Tensor | None, max_elements: int
+              ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    """``tensor``'s 2-D view (blocks along its last dimension) at the rows to read, its amax
+    (float32, unscaled: NVFP4's tensor scale is the whole operand's) and (rows read, rows); None
+    for an empty tensor."""
+    t = tensor.detach()
+    if not t.numel():
+        return None
+    t = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    rows = t.shape[0]
+    tensor_amax = torch.linalg.vector_norm(t, float("inf")).float()  # (a reduction, no copy)
+    if inv_scale is not None:
+        tensor_amax = tensor_amax * inv_scale
+    step = -(-t.numel() // max_elements)
+    if step > 1:  # (index_select: a fake CUDA tensor refuses strided slices)
+        t = t.index_select(0, torch.arange(0, rows, step, device=t.device))
+    return t, tensor_amax, (t.shape[0], rows)
 
 
 def pack(stats: BlockStats) -> torch.Tensor:
