@@ -59,7 +59,8 @@ def _all(cast: str) -> dict[str, str]:
 
 
 VERDICT_RECIPES = (
-    VerdictRecipe("mxfp8", _all("mxfp8_e4m3_floor"), "torchao MXLinearConfig: E4M3, FLOOR scales (the OCP spec's)", False),
+    VerdictRecipe("mxfp8", _all("mxfp8_e4m3_floor"),
+                  "torchao MXLinearConfig: E4M3 elements, floor scales as the OCP spec gives them", False),
     VerdictRecipe("mxfp8_rceil", _all("mxfp8_e4m3_round_up"),
                   "torchao MX with RCEIL scales; TransformerEngine MXFP8BlockScaling (E4M3), whose scales round up", True),
     VerdictRecipe("mxfp8_hybrid", {"input": "mxfp8_e4m3_round_up", "weight": "mxfp8_e4m3_round_up",

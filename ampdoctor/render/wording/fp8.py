@@ -322,10 +322,25 @@ def block_verdict(data: dict) -> str:
             text += f", {len(unknown)} unknown"
         parts.append(text)
     return (f"Block formats, from the block statistics of {_count(len(steps), 'sampled step')} "
-            f"({_steps(steps)}): " + "; ".join(parts) + ". "
-            f"A layer is kept out of a recipe when one of its operands loses more than "
+            f"({_steps(steps)}): " + "; ".join(parts) + ". " + _round_up_advice(blocks)
+            + f"A layer is kept out of a recipe when one of its operands loses more than "
             f"{percent(blocks.get('flush_limit'))} of its nonzero elements beyond what the recipe loses on "
             f"Gaussian data.")
+
+
+def _round_up_advice(blocks: dict) -> str:
+    """Where floor scales keep layers that round-up scales do not (saturation: a block amax's
+    mantissa above E4M3's 1.75), the advice to use round-up scales."""
+    recipes = {r["name"]: r for r in blocks.get("recipes") or []}
+    floor, up = recipes.get("mxfp8"), recipes.get("mxfp8_rceil")
+    if not floor or not up:
+        return ""
+    saved = [n for n in floor.get("keep") or [] if n in (up.get("ready") or [])]
+    if not saved:
+        return ""
+    return (f"With round-up scales (torchao's `ScaleCalculationMode.RCEIL`, TransformerEngine's "
+            f"`MXFP8BlockScaling`), {len(saved)} of the {_count(len(floor.get('keep') or []), 'layer')} that floor "
+            f"scales would keep out {'is' if len(saved) == 1 else 'are'} ready: prefer them. ")
 
 
 def block_keep_items(data: dict) -> list[str]:
@@ -348,7 +363,7 @@ def block_keep_items(data: dict) -> list[str]:
         every = len(keep) == len(converted)
         label = block_recipe_label(recipe["name"])
         text = (f"{label} ({recipe.get('describes')}): keep "
-                + (f"every layer ({len(keep)}): {label} does not suit this model's operands" if every
+                + (f"every layer ({len(keep)}): each loses more in {label} than Gaussian data does" if every
                    else _names(keep)))
         if worst is not None:
             text += f"; worst `{worst[1]}`: {block_reason(worst[2])}"
