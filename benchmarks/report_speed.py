@@ -162,7 +162,7 @@ def _segment(rng, names, numel, scale, skipped, start, stop, rank, version, ever
         "underflow_hist": hists(lost_hist, ~measured) if version == 2 else pa.nulls(n, pa.list_(pa.int64())),
         "call": pa.nulls(n, pa.int32()), "parent": pa.nulls(n, pa.int32()),
         "inputs": pa.nulls(n, pa.list_(pa.int32())), "computed_inputs": pa.nulls(n, pa.list_(pa.int32())),
-        "fine_hist": pa.nulls(n, pa.list_(pa.int64())),
+        "fine_hist": pa.nulls(n, pa.list_(pa.int64())), "block_stats": pa.nulls(n, pa.list_(pa.float64())),
     }
     if version == 1:  # schema version 1's fixed-size histograms, for comparison
         schema = schema.set(schema.get_field_index("hist"), pa.field("hist", columns["hist"].type))

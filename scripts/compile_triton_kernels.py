@@ -53,8 +53,10 @@ def variants():
                            ft.TILE_WARPS)
     for torch_name, element in (("float32", "fp32"), ("float16", "fp16"), ("bfloat16", "i16")):
         for has_inv in (True, False):
-            yield (f"block {torch_name} inv={has_inv}", bt._block_kernel, BLOCK | {"data": f"*{element}"},
-                   {"HAS_INV": has_inv, "BF16": torch_name == "bfloat16", "TR": bt.TR, "TC": bt.TC}, bt.WARPS)
+            for tc in (256, 32):  # (the widest and the narrowest tile)
+                yield (f"block {torch_name} inv={has_inv} tile={bt.TILE // tc}x{tc}", bt._block_kernel,
+                       BLOCK | {"data": f"*{element}"},
+                       {"HAS_INV": has_inv, "BF16": torch_name == "bfloat16", "TR": bt.TILE // tc, "TC": tc}, bt.WARPS)
     for per_tensor in (True, False):
         yield (f"slot per_tensor={per_tensor}", kernels._slot_kernel, SLOT,
                {"STRIDE": 515, "ABOVE_AT": 512, "ROWS": ft._SLOT_ROWS, "FIRST_E": 71, "BINS": 64, "NBINS": 64,
@@ -69,7 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     for name, fn, signature, constexprs, warps in variants():
-        if args.quick and name.startswith("block") and not name.startswith("block bfloat16"):
+        if args.quick and name.startswith("block") and not (name.startswith("block bfloat16") and "x256" in name):
             continue
         if args.quick and name.startswith("tile") and ("wide=True" in name or "scale=False" in name
                                                        or name.split()[1] in ("float16", "float64")):

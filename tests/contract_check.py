@@ -51,10 +51,10 @@ FP8_CONTRACT = {
     "te_debug_config": (str, type(None)), "shortest_history": (int, type(None)),
     "block_formats": {
         "assessed": bool, "why_not": (str, type(None)), "flush_limit": (float, type(None)), "sampled_steps": [int],
-        "ranks": int,
+        "ranks": int, "left_out": {"non_finite": int, "damaged": int},
         "recipes": [{"name": str, "casts": {"input": str, "weight": str, "grad_output": str}, "describes": str,
                      "baseline_lost": {"input": float, "weight": float, "grad_output": float},
-                     "keep": [str], "ready": [str], "unknown": [str], "module_filter_fn": (str, type(None)),
+                     "keep": [str], "ready": [str], "unknown": [str], "filter_fn": (str, type(None)),
                      "te_debug_config": (str, type(None))}],
         "layers": [{
             "name": str, "converted": bool,

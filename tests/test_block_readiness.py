@@ -164,13 +164,15 @@ def test_recorded_block_figures_are_torchaos_casts(name, dtype, planted, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def gpt2_run(tmp_path_factory):
+def llama_run(tmp_path_factory):
+    """A LLaMA-style model (every GEMM an nn.Linear) with planted outliers, recorded in bf16: the
+    run and the trained model."""
     pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("blocks") / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _train("gpt2", torch.bfloat16, True, path)
-    return path
+        model, _, _ = _train("llama", torch.bfloat16, True, path)
+    return path, model
 
 
 def test_the_gaussian_baseline_is_the_devices_arithmetic():
@@ -280,11 +282,11 @@ def test_ranks_sum_into_one_pass():
             (ta.saturated + tb.saturated) / 2), recipe.name
 
 
-def test_the_engine_and_pyarrow_read_the_same_passes(gpt2_run, monkeypatch):
+def test_the_engine_and_pyarrow_read_the_same_passes(llama_run, monkeypatch):
     from ampdoctor.analysis import block_readiness
     from ampdoctor.read.engine import EngineCannot
 
-    run = ampdoctor.read_run(gpt2_run)
+    run = ampdoctor.read_run(llama_run[0])
     by_engine = block_predictions(run_block_passes(run))
 
     def refuse(*args, **kwargs):
@@ -294,12 +296,12 @@ def test_the_engine_and_pyarrow_read_the_same_passes(gpt2_run, monkeypatch):
     assert block_predictions(run_block_passes(run)) == by_engine and by_engine
 
 
-def test_a_run_from_before_says_why_block_formats_are_not_assessed(gpt2_run, tmp_path):
+def test_a_run_from_before_says_why_block_formats_are_not_assessed(llama_run, tmp_path):
     """A run whose segments have no block_stats column (an ampdoctor before them): fp8 still reads
     it, says why, and ``--recipe nvfp4 --te-config`` is one line and exit 2, nothing written."""
     old = tmp_path / "old"
     old.mkdir()
-    for segment in gpt2_run.iterdir():
+    for segment in llama_run[0].iterdir():
         if segment.suffix == ".parquet":
             table = pq.read_table(segment)
             pq.write_table(table.drop(["block_stats"]), old / segment.name)
@@ -315,34 +317,258 @@ def test_a_run_from_before_says_why_block_formats_are_not_assessed(gpt2_run, tmp
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "te.yaml").exists()
 
 
-def test_the_command_and_its_exports(gpt2_run, tmp_path):
+def test_the_command_and_its_exports(llama_run, tmp_path):
     """Text, Markdown, HTML and JSON hold the block formats' verdicts; --recipe writes the recipe's
-    TransformerEngine config, which nvdlfw-inspect's own matcher applies to exactly the kept layers,
-    and the module_filter_fn leaves them out."""
+    TransformerEngine config, which nvdlfw-inspect's own matcher applies to exactly the kept
+    layers; the filter_fn, run through torchao's own traversal of quantize_, converts exactly the
+    Linear layers not kept."""
     yaml = pytest.importorskip("yaml")
-    data = fp8_analysis.fp8_data(ampdoctor.read_run(gpt2_run))
+    from torchao.quantization.quant_api import _replace_with_custom_fn_if_matches_filter
+
+    path, model = llama_run
+    data = fp8_analysis.fp8_data(ampdoctor.read_run(path))
     blocks = data["block_formats"]
     nvfp4 = next(r for r in blocks["recipes"] if r["name"] == "nvfp4")
-    assert nvfp4["keep"], "the planted outliers should keep some layer out of NVFP4"
+    assert nvfp4["keep"] and nvfp4["ready"], "the planted outliers should keep some layers out of NVFP4, not all"
     for fmt, marker in (("text", "Block formats (MXFP8, MXFP4, NVFP4)"), ("md", "## Block formats"),
                         ("html", 'id="blocks"')):
-        out = CliRunner().invoke(main, ["fp8", str(gpt2_run), "--format", fmt])
+        out = CliRunner().invoke(main, ["fp8", str(path), "--format", fmt])
         assert out.exit_code == 0 and marker in out.output
-    assert all(len(line) <= 100 for line in CliRunner().invoke(main, ["fp8", str(gpt2_run)]).output.splitlines()
+    assert all(len(line) <= 100 for line in CliRunner().invoke(main, ["fp8", str(path)]).output.splitlines()
                if "`" not in line)
     target = tmp_path / "nvfp4.yaml"
-    out = CliRunner().invoke(main, ["fp8", str(gpt2_run), "--recipe", "nvfp4", "--te-config", str(target)])
+    out = CliRunner().invoke(main, ["fp8", str(path), "--recipe", "nvfp4", "--te-config", str(target)])
     assert out.exit_code == 0 and target.read_text() == nvfp4["te_debug_config"]
     config = yaml.safe_load(target.read_text())
     [(section, body)] = config.items()
     assert section == "ampdoctor_keep_out_of_nvfp4" and body["transformer_engine"]["DisableFP8Layer"]["enabled"]
-    pattern = body["layers"]["layer_name_regex_pattern"]
     import re
     names = [layer["name"] for layer in blocks["layers"]]
-    assert {n for n in names if re.search(pattern, "model." + n)} == set(nvfp4["keep"])
-    keep_fn = eval(nvfp4["module_filter_fn"])  # noqa: S307 - the snippet the user pastes
-    assert {n for n in names if not keep_fn(None, n)} == set(nvfp4["keep"])
+    assert {n for n in names if re.search(body["layers"]["layer_name_regex_pattern"], "model." + n)} == set(
+        nvfp4["keep"])
+    converted = []
+    _replace_with_custom_fn_if_matches_filter(model, lambda m: converted.append(m) or m,
+                                              eval(nvfp4["filter_fn"], {"torch": torch}))  # noqa: S307 - pasted
+    fqn = {id(m): n for n, m in model.named_modules()}
+    linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert {fqn[id(m)] for m in converted} == linear - set(nvfp4["keep"])
+    # --recipe alone is a usage error; a recipe on a run without block statistics: test below
+    out = CliRunner().invoke(main, ["fp8", str(path), "--recipe", "nvfp4"])
+    assert out.exit_code == 2 and "--te-config" in out.output
 
 
 def test_the_clis_recipes_are_the_librarys():
     assert TE_RECIPES == ("fp8", *(r.name for r in VERDICT_RECIPES if r.te))
+
+
+def test_a_short_run_at_the_default_options_is_assessed(tmp_path):
+    """A 12-step run at the recorder's defaults (level='full', module_every 1000) has block
+    statistics at step 0, and fp8 judges every converted layer from them."""
+    pytest.importorskip("transformers")
+    arch = A.build("gpt2")
+    opt = torch.optim.AdamW(arch.model.parameters(), lr=1e-3)
+    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=arch.model, init_scale=2.0 ** 10)
+    try:
+        for step in range(12):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = arch.loss(arch.model, step)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        scaler.close()
+    blocks = fp8_analysis.fp8_data(ampdoctor.read_run(tmp_path / "run"))["block_formats"]
+    assert blocks["assessed"] and blocks["sampled_steps"] == [0]
+    for layer in blocks["layers"]:
+        assert all(r["verdict"] in ("ready", "keep") for r in layer["recipes"]), layer["name"]
+        assert all(op["sampled_passes"] == 1 for op in layer["operands"]), layer["name"]
+
+
+def _record_gpt2(path, steps: int, module_every: int, inject_inf_at=None):
+    arch = A.build("gpt2")
+    opt = torch.optim.AdamW(arch.model.parameters(), lr=1e-3)
+    scaler = ampdoctor.GradScaler("cpu", path=path, level="full", model=arch.model, module_every=module_every,
+                                  init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    try:
+        for step in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = arch.loss(arch.model, step)
+            if step == inject_inf_at:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        scaler.close()
+    return arch.model
+
+
+def test_the_gradients_of_a_skipped_step_are_left_out_not_judged(tmp_path):
+    """Step 0 overflows (its gradients inf, as an fp16 run's first steps often do): its output
+    gradients' block statistics are left out and counted, the other passes judge the layers."""
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _record_gpt2(tmp_path / "run", steps=5, module_every=4, inject_inf_at=0)
+    data = fp8_analysis.fp8_data(ampdoctor.read_run(tmp_path / "run"))
+    blocks = data["block_formats"]
+    assert blocks["sampled_steps"] == [0, 4] and blocks["left_out"]["non_finite"] >= len(blocks["layers"])
+    for layer in blocks["layers"]:
+        grad = next(op for op in layer["operands"] if op["operand"] == "grad_output")
+        assert grad["sampled_passes"] == 1  # step 4's alone
+        for entry in grad["casts"]:
+            assert entry["worst_step"] == 4 and 0 <= entry["worst_lost"] < 0.9
+    assert any("held an inf or a NaN" in line for line in __import__("ampdoctor.render.wording.fp8",
+                                                                       fromlist=["limits"]).limits(data))
+
+
+def test_damaged_values_are_left_out_and_counted():
+    torch.manual_seed(4)
+    good = pack(block_stats(torch.randn(8, 64))).numpy()
+    bad = good.copy()
+    bad[-3] = float("nan")  # (the nonzero count)
+    short = good[:100]
+    frame = __import__("pandas").DataFrame({
+        "step": [0, 0, 0], "rank": [0, 1, 2], "kind": ["gemm_input"] * 3, "name": ["fc"] * 3, "call": [0] * 3,
+        "amax": [1.0] * 3, "block_stats": [good, bad, short]})
+    passes = passes_of(frame)
+    assert passes.damaged == 2 and passes.ranks == 1
+    [(_, _, stats)] = passes.operands[("fc", "gemm_input")]
+    assert stats.nonzero == 8 * 64
+
+
+def test_the_kernel_falls_back_to_the_torch_path_once_warned(monkeypatch):
+    from ampdoctor.stats import block_stats as module
+    from ampdoctor.stats import block_triton
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(block_triton, "triton_packed", broken)
+    monkeypatch.setattr(module, "_TRITON_FAILED", [])
+    x = torch.randn(16, 64)
+    with pytest.warns(RuntimeWarning, match="Triton block statistics kernel failed here .RuntimeError: no compiler"):
+        first = module.packed_block_stats(x, algorithm="triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.packed_block_stats(x)  # (the torch path from then on, without a word)
+    assert torch.equal(first, module.packed_block_stats(x, algorithm="torch"))
+
+
+def test_a_narrow_operand_is_sampled_by_its_padded_size(monkeypatch):
+    """A value head's output gradient [rows, 1] pads every row to a block of 32: the sample counts
+    the padded elements, and the kernel's tiles (32 x 32 there) stay few, its partial results small."""
+    from ampdoctor.stats import block_triton
+    from ampdoctor.stats.block_stats import MAX_ELEMENTS, packed_block_stats
+
+    grids = []
+
+    class Grid(dict):
+        def __missing__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(block_triton, "_block_kernel", Grid())
+    packed_block_stats(torch.randn(1 << 20, 1), algorithm="triton")
+    [(rows, cols)] = grids
+    assert cols == 1 and rows * block_triton.TILE <= 2 * MAX_ELEMENTS
+    stats = BlockStatsHost.from_values(pack(block_stats(torch.randn(1 << 20, 1))).numpy())
+    assert stats.rows[0] * 32 <= MAX_ELEMENTS and stats.rows[1] == 1 << 20
+
+
+def test_sampled_rows_on_a_recorded_run_are_every_kth_row_k_odd(tmp_path, monkeypatch):
+    """With a small budget the recorder reads every k-th row (k odd: no aliasing with sequence
+    positions or heads), and the run holds exactly torchao's casts of those rows, NVFP4 scaled by
+    the whole operand's amax."""
+    pytest.importorskip("transformers")
+    from ampdoctor.stats import block_stats as module
+
+    budget = 512
+    monkeypatch.setattr(module, "MAX_ELEMENTS", budget)
+    arch = A.build("llama")
+    capture = F8.OperandCapture(arch.model)
+    try:
+        model = arch.model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = ampdoctor.GradScaler("cpu", enabled=False, path=tmp_path / "run", level="full", model=model)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = arch.loss(model, 0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            scaler.close()
+    finally:
+        capture.remove()
+    got = {(r["layer"], r["operand"], r["cast"]): r
+           for r in block_predictions(run_block_passes(ampdoctor.read_run(tmp_path / "run")))}
+    sampled = 0
+    for layer, slots in capture.operands.items():
+        for operand in OPERANDS:
+            x = slots[operand][0]
+            rows = x.reshape(-1, x.shape[-1])
+            step = -(-rows.shape[0] * (-(-rows.shape[1] // 32) * 32) // budget)
+            step += (step > 1) and 1 - step % 2
+            part = rows[::max(step, 1)]
+            sampled += step > 1
+            for r in RECIPES:
+                t = T.cast(part, r.element.name, r.scale, r.block, r.element.max, tensor_amax=x.abs().amax())
+                g = got[(layer, operand, r.name)]
+                assert (g["flushed"], g["saturated"]) == (t.flushed, t.saturated), (layer, operand, r.name)
+                assert g["rows_read"] == pytest.approx(part.shape[0] / rows.shape[0])
+    assert sampled >= 10
+
+
+def test_block_statistics_that_fail_stop_alone(tmp_path, monkeypatch):
+    """An op the backend lacks, out of memory: block statistics stop for the run with one warning,
+    the module taps and fine histograms go on."""
+    from ampdoctor.record import gemm_operands
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("float8 casts on this backend")
+
+    monkeypatch.setattr(gemm_operands, "packed_block_stats", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model, module_every=2)
+    try:
+        with pytest.warns(RuntimeWarning, match="block statistics stopped .NotImplementedError: float8 casts"):
+            for _ in range(5):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 32)).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        scaler.close()
+    frame = pq.read_table(tmp_path / "run").to_pandas()
+    gemm = frame[frame["kind"].str.startswith("gemm")]
+    assert gemm["block_stats"].isna().all()
+    assert sorted(gemm[gemm["fine_hist"].notna()]["step"].unique()) == [0, 2, 4]
+
+
+def test_beyond_the_cap_block_statistics_are_dropped_with_a_warning(tmp_path, monkeypatch):
+    from ampdoctor.record import gemm_operands
+
+    monkeypatch.setattr(gemm_operands, "MAX_BLOCK_STATS", 2)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model)
+    try:
+        with pytest.warns(RuntimeWarning, match="block statistics of the rest are not recorded"):
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 32)).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        scaler.close()
+    frame = pq.read_table(tmp_path / "run").to_pandas()
+    assert frame["block_stats"].notna().sum() == 2

@@ -178,3 +178,29 @@ def test_measured_underflow_on_cuda(run_path):
         truth = int(((amp[name] == 0) & (p.grad != 0)).sum())
         assert abs(rows.loc[name, "n_underflow"] - truth) <= max(0.005 * p.numel(), 0.25 * truth), name
     assert rows.n_underflow.sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_block_statistics_kernel_on_cuda_equals_the_torch_path(dtype):
+    """The Triton kernel of the block statistics (issue 42) on a real GPU gives the torch path's
+    counts (on the CPU) bit for bit, and the sums of squares to 1e-6: what the interpreter checks on
+    every CI run, here with the hardware's own conversions and divisions."""
+    from ampdoctor.run_file.block_bins import unpack
+    from ampdoctor.stats.block_stats import packed_block_stats
+
+    torch.manual_seed(0)
+    cases = [torch.randn(512, 1000) * torch.exp(torch.randn(512, 1000) * 3),
+             torch.cat([torch.randn(64, 32) * 2.0 ** -124, torch.randn(64, 32)], dim=1),
+             torch.zeros(8, 48), torch.randn(3000)]
+    for x in cases:
+        x = x.to(dtype)
+        for inv in (None, torch.tensor(2.0 ** -10)):
+            cpu = unpack(packed_block_stats(x, inv, algorithm="torch").numpy())
+            gpu = unpack(packed_block_stats(x.cuda(), None if inv is None else inv.cuda(),
+                                            algorithm="triton").cpu().numpy())
+            for name in cpu:
+                if name == "measured":
+                    np.testing.assert_array_equal(cpu[name][:, :2], gpu[name][:, :2])
+                    np.testing.assert_allclose(cpu[name][:, 2:], gpu[name][:, 2:], rtol=1e-6, atol=1e-30)
+                else:
+                    np.testing.assert_array_equal(cpu[name], gpu[name], err_msg=name)

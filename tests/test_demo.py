@@ -104,7 +104,7 @@ REPORT_LINES = {
             f"origin: blocks.1.mlp.0 (output), step {FAULT}, rank 0", "keep `blocks.1.mlp.0` in float32"],
     "fp8": [f"Trained {STEPS} steps on cpu (weight blown up at step {STEPS // 2})",
             "Keep `blocks.1.mlp.0`, `blocks.1.mlp.2`", "module_filter_fn=lambda mod, fqn: fqn not in",
-            "Per-block formats are not assessed"],
+            "Block formats, from the block statistics of", "MXFP8 RCEIL: "],
 }
 
 

@@ -206,7 +206,7 @@ def test_fp8_passes_reduced_by_the_engine_are_the_rows_passes(ranks_run):
     assert np.array_equal(rows.amax, reduced.amax, equal_nan=True)
     assert np.array_equal(rows.histograms(0, len(rows.sampled)), reduced.histograms(0, len(reduced.sampled)))
     from ampdoctor.analysis.block_readiness import passes_of
-    blocks = passes_of(to_frame(ranks_run.table(["step", "rank", "kind", "name", "call", "block_stats"])))
+    blocks = passes_of(to_frame(ranks_run.table(["step", "rank", "kind", "name", "call", "amax", "block_stats"])))
     whole = passes_data(rows, ranks_run.metadata, path=str(ranks_run.path), blocks=blocks)
     assert to_json(fp8_data(ranks_run)) == to_json({"path": str(ranks_run.path), "run_id": "engine", **whole})
 

@@ -31,15 +31,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..read.engine import EngineCannot, present_batches
-from ..run_file.block_bins import (BLOCK_VALUES, E4M3_EPS, ELEMENTS, EXP_RANGE, NV_TENSOR_DIVISOR, RATIO_WINDOW,
-                                   window_edges)
+from ..run_file.block_bins import (BLOCK_VALUES, E4M3_EPS, ELEMENTS, EXP_RANGE, LAYOUT, NV_TENSOR_DIVISOR,
+                                   RATIO_WINDOW, window_edges)
 from ..run_file.schema import GEMM_KINDS, ROOT_NAME
 from .te_config import te_debug_config
 from .block_formats import E4M3, RECIPES, BlockRecipe, BlockStatsHost, measured, predict
 
 INPUT, WEIGHT, GRAD = GEMM_KINDS
 OPERAND_NAMES = {INPUT: "input", WEIGHT: "weight", GRAD: "grad_output"}
-COLUMNS = ["step", "rank", "kind", "name", "call", "block_stats"]
+COLUMNS = ["step", "rank", "kind", "name", "call", "amax", "block_stats"]
 CAST = {r.name: r for r in RECIPES}
 RECORDED_SINCE = "2026-11-28"   # the first ampdoctor that recorded block statistics
 
@@ -60,16 +60,20 @@ def _all(cast: str) -> dict[str, str]:
 
 VERDICT_RECIPES = (
     VerdictRecipe("mxfp8", _all("mxfp8_e4m3_floor"),
-                  "torchao MXLinearConfig: E4M3 elements, floor scales as the OCP spec gives them", False),
+                  "E4M3 elements, floor scales: the OCP spec's rounding, torchao's ScaleCalculationMode.FLOOR", False),
     VerdictRecipe("mxfp8_rceil", _all("mxfp8_e4m3_round_up"),
-                  "torchao MX with RCEIL scales; TransformerEngine MXFP8BlockScaling (E4M3), whose scales round up", True),
+                  "E4M3 elements, round-up scales: torchao's MXFP8TrainingOpConfig (its default RCEIL), "
+                  "TransformerEngine's MXFP8BlockScaling", True),
     VerdictRecipe("mxfp8_hybrid", {"input": "mxfp8_e4m3_round_up", "weight": "mxfp8_e4m3_round_up",
                                    "grad_output": "mxfp8_e5m2_round_up"},
-                  "TransformerEngine MXFP8BlockScaling(fp8_format=HYBRID): E5M2 output gradients", True),
-    VerdictRecipe("mxfp4", _all("mxfp4_floor"), "torchao MX with float4_e2m1fn_x2 elements, FLOOR scales", False),
+                  "E5M2 output gradients: TransformerEngine's MXFP8BlockScaling(fp8_format=Format.HYBRID)", True),
+    VerdictRecipe("mxfp4", _all("mxfp4_floor"),
+                  "E2M1 elements, floor scales: torchao's MX elements float4_e2m1fn_x2 (no MXFP4 training recipe "
+                  "in torchao 0.18)", False),
     VerdictRecipe("nvfp4", _all("nvfp4"),
-                  "torchao NVFP4 with a per-tensor scale; TransformerEngine NVFP4BlockScaling "
-                  "without its stochastic rounding and Hadamard transforms", True),
+                  "as torchao's nvfp4_quantize casts: a per-tensor scale and E4M3 block scales; torchao's "
+                  "NVFP4TrainingConfig and TransformerEngine's NVFP4BlockScaling add random Hadamard transforms and "
+                  "stochastic rounding (TransformerEngine also 16x16 weight blocks), not modelled", True),
 )
 
 
@@ -79,6 +83,8 @@ class BlockPasses:
 
     operands: dict[tuple[str, str], list[tuple[int, int, BlockStatsHost]]] = field(default_factory=dict)
     ranks: int = 0
+    non_finite: int = 0   # rows left out: the operand held an inf or a NaN (its recorded amax; a skipped step)
+    damaged: int = 0      # rows left out: a value that is no block statistics (not finite, negative, fractional counts)
 
     @property
     def steps(self) -> list[int]:
@@ -93,6 +99,7 @@ def passes_of(frame: pd.DataFrame) -> BlockPasses:
     if len(rows):
         values = [np.asarray(v, dtype=np.float64) for v in rows["block_stats"]]
         ok = np.array([v.shape == (BLOCK_VALUES,) for v in values], dtype=bool)
+        acc.damaged += int((~ok).sum())
         if ok.any():
             acc.add(rows[ok], np.stack([v for v, k in zip(values, ok) if k]))
     return acc.passes()
@@ -114,6 +121,7 @@ def _stream(batches: Iterable[pa.RecordBatch]) -> BlockPasses:
         column = batch.column("block_stats")
         lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy()
         keep = lengths == BLOCK_VALUES  # (another tool's or a damaged value: not a pass of ours)
+        acc.damaged += int(((lengths != BLOCK_VALUES) & column.is_valid().to_numpy(zero_copy_only=False)).sum())
         if not keep.any():
             continue
         taken = pa.array(np.flatnonzero(keep))
@@ -123,6 +131,34 @@ def _stream(batches: Iterable[pa.RecordBatch]) -> BlockPasses:
     return acc.passes()
 
 
+def _sound(values: np.ndarray) -> np.ndarray:
+    """Per row of ``values`` [n, BLOCK_VALUES]: whether it is block statistics as the recorder
+    writes them (every number finite, counts non-negative integers, no more rows read than the
+    operand has)."""
+    finite = np.isfinite(values).all(axis=1)
+    counts = np.delete(values, _SUMS, axis=1)
+    with np.errstate(invalid="ignore"):
+        whole = ((counts >= 0) & (counts == np.floor(counts))).all(axis=1)
+    rows = values[:, _ROWS]
+    return finite & whole & (rows[:, 0] <= rows[:, 1])
+
+
+def _layout_offsets() -> tuple[np.ndarray, np.ndarray]:
+    """The positions of the float sums (``measured``'s last two columns) and of ``rows``."""
+    at, sums, rows = 0, [], []
+    for name, shape in LAYOUT:
+        size = int(np.prod(shape))
+        if name == "measured":
+            sums = [at + 4 * r + c for r in range(shape[0]) for c in (2, 3)]
+        if name == "rows":
+            rows = [at, at + 1]
+        at += size
+    return np.array(sums), np.array(rows)
+
+
+_SUMS, _ROWS = _layout_offsets()
+
+
 class _Sums:
     """Block statistics summed per pass (integer counts and float64 sums: the counts exact in any
     order)."""
@@ -130,8 +166,21 @@ class _Sums:
     def __init__(self) -> None:
         self.sums: dict[tuple, np.ndarray] = {}
         self.ranks: set = set()
+        self.non_finite = self.damaged = 0
 
     def add(self, keys: pd.DataFrame, values: np.ndarray) -> None:
+        """Rows ``keys`` (kind, name, step, call, rank, amax) and their values, one row each: those
+        of a non-finite operand and damaged values left out, counted."""
+        finite = (np.isfinite(keys["amax"].to_numpy(dtype=np.float64, na_value=np.nan)) if "amax" in keys
+                  else np.ones(len(keys), dtype=bool))
+        sound = _sound(values)
+        self.non_finite += int((~finite).sum())
+        self.damaged += int((finite & ~sound).sum())
+        keep = finite & sound
+        if not keep.all():
+            keys, values = keys[keep], values[keep]
+        if not len(keys):
+            return
         kind = keys["kind"].astype(str).to_numpy()
         call = np.where(kind == WEIGHT, -1, keys["call"].fillna(-1).to_numpy(dtype=np.float64)).astype(np.int64)
         frame = pd.DataFrame({"name": keys["name"].astype(str).to_numpy(), "kind": kind,
@@ -144,7 +193,7 @@ class _Sums:
             self.sums[key] = total if previous is None else previous + total
 
     def passes(self) -> BlockPasses:
-        out = BlockPasses(ranks=len(self.ranks))
+        out = BlockPasses(ranks=len(self.ranks), non_finite=self.non_finite, damaged=self.damaged)
         for (name, kind, step, call), values in sorted(self.sums.items(), key=lambda kv: (kv[0][2], kv[0][3])):
             out.operands.setdefault((name, kind), []).append((step, call, BlockStatsHost.from_values(values)))
         return out
@@ -262,7 +311,7 @@ def block_data(passes: BlockPasses, layers: list[tuple[str, bool]], *, flush_lim
     """The ``block_formats`` part of ``ampdoctor fp8``'s data (docs/json-contracts.md): per layer
     (``layers``: (name, converted) in report order) and recipe its verdict, the largest share an
     operand loses, and the reasons to keep it; per operand and cast the figures; per recipe the
-    layers to keep out of it, as torchao's ``module_filter_fn`` and, for the recipes
+    layers to keep out of it, as the ``filter_fn`` of torchao's ``quantize_`` and, for the recipes
     TransformerEngine has, its debug config."""
     out_layers = []
     for name, converted in layers:
@@ -285,12 +334,15 @@ def block_data(passes: BlockPasses, layers: list[tuple[str, bool]], *, flush_lim
             "name": recipe.name, "casts": dict(recipe.casts), "describes": recipe.describes,
             "baseline_lost": {operand: _allowance(cast) for operand, cast in recipe.casts.items()},
             "keep": keep, "ready": of("ready"), "unknown": of("unknown"),
-            "module_filter_fn": ("lambda mod, fqn: fqn not in {" + ", ".join(repr(n) for n in keep) + "}"
-                                 if keep else None),
+            # (quantize_ calls its filter on every module, the root (fqn "") first: a filter that is
+            # true there replaces the root and stops; so only Linear layers, as its default filter)
+            "filter_fn": ("lambda mod, fqn: isinstance(mod, torch.nn.Linear) and fqn not in {"
+                          + ", ".join(repr(n) for n in keep) + "}" if keep else None),
             "te_debug_config": te_debug_config(keep, recipe.name) if keep and recipe.te else None,
         })
     return {"assessed": True, "why_not": None, "flush_limit": float(flush_limit), "sampled_steps": passes.steps,
-            "ranks": passes.ranks, "recipes": recipes, "layers": out_layers}
+            "ranks": passes.ranks, "left_out": {"non_finite": passes.non_finite, "damaged": passes.damaged},
+            "recipes": recipes, "layers": out_layers}
 
 
 def _no_passes() -> dict:
@@ -325,7 +377,7 @@ def _verdict(recipe: VerdictRecipe, operands: dict, flush_limit: float, converte
 def not_assessed(why: str) -> dict:
     """The ``block_formats`` part of a run that has no block statistics, with the reason."""
     return {"assessed": False, "why_not": why, "flush_limit": None, "sampled_steps": [], "ranks": 0,
-            "recipes": [], "layers": []}
+            "left_out": {"non_finite": 0, "damaged": 0}, "recipes": [], "layers": []}
 
 
 def block_predictions(passes: BlockPasses, source_mbits: int | None = None) -> list[dict]:

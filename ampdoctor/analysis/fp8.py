@@ -152,6 +152,9 @@ def _block_formats(blocks: BlockPasses | None, layers: list[dict], flush_limit: 
                             f"block statistics")
     if not any(layer["converted"] for layer in layers):
         return not_assessed("the run's GEMM layers are all convolutions, which block-format recipes do not convert")
+    if not blocks.operands and (blocks.non_finite or blocks.damaged):
+        return not_assessed(f"every block statistics value of the run was left out ({blocks.non_finite} of operands "
+                            f"holding an inf or a NaN: skipped steps; {blocks.damaged} damaged)")
     if not blocks.operands:
         return not_assessed("no step on the module_every cadence was recorded (block statistics are taken on "
                             "steps whose number is a multiple of module_every)")

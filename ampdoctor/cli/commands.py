@@ -259,17 +259,21 @@ def postmortem(run: Run, fmt: str, output: str | None) -> None:
 @click.option("--te-config", type=click.Path(dir_okay=False, path_type=str), default=None, metavar="FILE",
               help="Also write TransformerEngine's debug API config (YAML) that keeps the layers to keep "
                    "out of the recipe (--recipe).")
-@click.option("--recipe", type=click.Choice(TE_RECIPES), default="fp8", show_default=True,
-              help="The recipe whose layers to keep --te-config keeps out: tensorwise FP8, or a block format "
-                   "TransformerEngine has (MXFP8BlockScaling with E4M3 or HYBRID, NVFP4BlockScaling).")
+@click.option("--recipe", type=click.Choice(TE_RECIPES), default=None,
+              help="With --te-config: the recipe whose layers to keep it keeps out: tensorwise FP8 (the default), "
+                   "or a block format TransformerEngine has (MXFP8BlockScaling with E4M3 or HYBRID, "
+                   "NVFP4BlockScaling).")
 @output_option
 @library_errors
-def fp8(run: Run, fmt: str, flush_limit: float, top: int, te_config: str | None, recipe: str,
+def fp8(run: Run, fmt: str, flush_limit: float, top: int, te_config: str | None, recipe: str | None,
         output: str | None) -> None:
     """FP8 readiness: which GEMM layers (Linear) can train in FP8 with TransformerEngine or torchao,
     which to keep in the AMP dtype and why, and the shortest amax history for delayed scaling; and
     per block format (MXFP8, MXFP4, NVFP4) which layers to keep out of it. Needs a run recorded
     with level='full' and model=."""
+    if recipe is not None and te_config is None:
+        raise click.UsageError("--recipe chooses what --te-config writes: give --te-config FILE too")
+    recipe = recipe or "fp8"
     command = COMMANDS["fp8"]
     data = command.analyse(run, flush_limit=flush_limit)
     if te_config is not None:
@@ -284,7 +288,10 @@ def _te_config_of(data: dict, recipe: str) -> str | None:
     blocks = data.get("block_formats") or {}
     if not blocks.get("assessed"):
         raise CliError(f"--recipe {recipe}: block formats are not assessed on this run: {blocks.get('why_not')}")
-    return next(r.get("te_debug_config") for r in blocks.get("recipes") or [] if r.get("name") == recipe)
+    found = [r for r in blocks.get("recipes") or [] if r.get("name") == recipe]
+    if not found:
+        raise CliError(f"--recipe {recipe}: the run's analysis has no such recipe")
+    return found[0].get("te_debug_config")
 
 
 def _write_te_config(config: str | None, path: str, recipe: str = "fp8") -> None:

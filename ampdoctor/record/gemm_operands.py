@@ -49,7 +49,7 @@ from ..stats.fine_hist import fine_hist
 
 INPUT, WEIGHT, GRAD = "gemm_input", "gemm_weight", "gemm_grad_output"  # schema.GEMM_KINDS
 MAX_FINE_HISTS = 4096  # fine histograms kept per step (16 KiB each on the device: 64 MiB at most)
-MAX_BLOCK_STATS = 1024  # block statistics kept per step (25 KiB each: 25 MiB at most)
+MAX_BLOCK_STATS = 2048  # block statistics kept per step (25 KiB each on the device: 51 MiB at most)
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -104,16 +104,19 @@ class GemmOperands:
         self._taps = LightTaps(limit, repeat)
         self._inv_scale = inv_scale
         self.dropped_hists = 0
+        self.dropped_blocks = 0          # block statistics not kept (beyond MAX_BLOCK_STATS), over the run
+        self.blocks_failed: str | None = None  # why block statistics stopped, if they did
         self.start(False)
 
     def start(self, sampled: bool, blocks: bool = False) -> None:
         """A new step; ``sampled``: a module-sampled step (fine histograms); ``blocks``: block
         statistics too. No sync."""
         self._sampled = sampled
-        self._blocks_on = sampled and blocks
+        self._blocks_on = sampled and blocks and self.blocks_failed is None
         self._called: set[str] = set()                          # layers whose weight the step has
         self._hists: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (kind, call, order) -> (counts, zeros)
         self._blocks: dict[tuple, torch.Tensor] = {}            # (kind, call, order) -> packed block statistics
+        self._block_slots: set[tuple] = set()                   # (kind, layer) with a pass this step
 
     def input(self, call: ModuleCall, module: nn.Module, x: torch.Tensor | None, training: bool) -> None:
         """A call of a GEMM layer begins with input ``x`` (its forward pre-hook): observed when
@@ -122,21 +125,21 @@ class GemmOperands:
         if training and x is not None:
             self._taps.add(INPUT, call, -1, x)
             if self._sampled:
-                self._histogram((INPUT, call.call, -1), x, module=module)
+                self._histogram((INPUT, call.call, -1), x, module=module, name=call.name)
         if call.name not in self._called:
             self._called.add(call.name)
             weight = layer_weight(module)
             if weight is not None:
                 self._taps.add(WEIGHT, call, -1, weight)
                 if self._sampled:
-                    self._histogram((WEIGHT, call.call, -1), weight, module=module)
+                    self._histogram((WEIGHT, call.call, -1), weight, module=module, name=call.name)
 
     def grad(self, call: ModuleCall, order: int, grad: torch.Tensor) -> None:
         """The gradient w.r.t. the output of GEMM call ``call`` (still scaled). No sync."""
         self._taps.add(GRAD, call, order, grad)
         if self._sampled:
             self._histogram((GRAD, call.call, order), grad, self._inv_scale(grad.device),
-                            module=self.layers.get(call.name))
+                            module=self.layers.get(call.name), name=call.name)
 
     @property
     def dropped(self) -> int:
@@ -144,17 +147,39 @@ class GemmOperands:
         return self._taps.dropped
 
     def _histogram(self, key: tuple, tensor: torch.Tensor, inv: torch.Tensor | None = None, *,
-                   module: nn.Module | None) -> None:
+                   module: nn.Module | None, name: str) -> None:
         """``key``: (kind, call, backward order or -1), as the row's (a gradient that arrives
         twice, under ``retain_graph``, is two rows)."""
         if len(self._hists) >= MAX_FINE_HISTS:
             self.dropped_hists += 1
             return
         self._hists[key] = fine_hist(tensor, inv)
-        if self._blocks_on and module is not None and len(self._blocks) < MAX_BLOCK_STATS:
-            view = block_view(module, key[0], tensor)
-            if view is not None:
-                self._blocks[key] = packed_block_stats(view, inv)
+        if self._blocks_on and module is not None:
+            self._block_stats(key, name, module, tensor, inv)
+
+    def _block_stats(self, key: tuple, name: str, module: nn.Module, tensor: torch.Tensor,
+                     inv: torch.Tensor | None) -> None:
+        """One pass per (layer, kind) a step (the first call's: the verdicts read the worst pass,
+        and a layer called many times would crowd others out), at most :data:`MAX_BLOCK_STATS`;
+        a failure (an op the backend lacks, out of memory) stops block statistics for the run, not
+        the module taps (``blocks_failed`` says why)."""
+        kind = key[0]
+        slot = (kind, name)
+        if slot in self._block_slots:
+            return
+        if len(self._blocks) >= MAX_BLOCK_STATS:
+            self.dropped_blocks += 1
+            return
+        view = block_view(module, kind, tensor)
+        if view is None:
+            return
+        try:
+            self._blocks[key] = packed_block_stats(view, inv)
+        except Exception as exc:  # noqa: BLE001 - block statistics are an extra; training goes on
+            self.blocks_failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self._blocks_on = False
+            return
+        self._block_slots.add(slot)
 
     def finish(self, step: int) -> GemmRecord | None:
         """The step's operands (device tensors, to be copied to the host), or None when no GEMM

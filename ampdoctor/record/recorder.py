@@ -27,7 +27,7 @@ from ..float_formats import dtype_name, float_format
 from ..stats import SlotLayouts, full_stats, light_stats
 from . import shutdown
 from .anomalies import AnomalyWatch
-from .gemm_operands import MAX_FINE_HISTS, GemmOperands, is_gemm
+from .gemm_operands import MAX_BLOCK_STATS, MAX_FINE_HISTS, GemmOperands, is_gemm
 from .handoff import start_copies, step_scalars
 from .hooks import ModuleCall, ModuleHook, ModuleTaps, check_module_filter, clean_name, is_compiled, unwrap_model
 from .light_taps import LightTaps, Repeat
@@ -106,6 +106,7 @@ class Recorder:
         self._dropped_taps = 0
         self._warned_dropped = False
         self._warned_hists = False  # (the GEMM operands' fine histograms beyond their cap)
+        self._warned_blocks = self._warned_blocks_failed = False  # (their block statistics: beyond the cap, failed)
         self._backward_scale: torch.Tensor | None = None  # the scale this step's backward used
         self._inv_scales: dict[torch.device, torch.Tensor] = {}
         self._plan = StepPlan(options, start_step)
@@ -423,6 +424,16 @@ class Recorder:
             self._warned_hists = True
             warnings.warn(f"ampdoctor: more than {MAX_FINE_HISTS} GEMM operands in one module-sampled step; the "
                           "fine histograms of the rest are not recorded (their peaks are)", RuntimeWarning, stacklevel=3)
+        if self._gemm is not None and self._gemm.dropped_blocks and not self._warned_blocks:
+            self._warned_blocks = True
+            warnings.warn(f"ampdoctor: more than {MAX_BLOCK_STATS} GEMM operands in one module-sampled step; the "
+                          "block statistics of the rest are not recorded (ampdoctor fp8 says unknown for their "
+                          "layers' block formats)", RuntimeWarning, stacklevel=3)
+        if self._gemm is not None and self._gemm.blocks_failed and not self._warned_blocks_failed:
+            self._warned_blocks_failed = True
+            warnings.warn(f"ampdoctor: block statistics stopped ({self._gemm.blocks_failed}); the rest of the "
+                          "run records no MXFP8/NVFP4 statistics, everything else as before", RuntimeWarning,
+                          stacklevel=3)
         if self._dropped_taps and not self._warned_dropped:
             self._warned_dropped = True
             warnings.warn(f"ampdoctor: more than {MAX_TAP_ROWS_PER_STEP} module observations in "

@@ -6,15 +6,16 @@ is read for first (a Linear's input and weight in the forward, its output gradie
 gradient's GEMM); a last dimension that is not a multiple of the block is padded with zeros, as
 the recipes pad it (zeros change no block's amax and are not counted).
 
-An operand of more than :data:`MAX_ELEMENTS` elements is read at a systematic sample of its rows
-(every k-th row of its 2-D view, blocks whole): the temporaries (about 50 bytes per element read)
-stay below ~13 MB and the cost per operand bounded, whatever the model. The sample's figures are
+An operand of more than :data:`MAX_ELEMENTS` elements (its rows padded to whole blocks of 32) is
+read at a systematic sample of its rows (every k-th row of its 2-D view, k odd, blocks whole): the
+temporaries (about 50 bytes per element read on the torch path; the kernel's partial results, 15 KB
+per tile of 1,024) stay bounded (~15 MB) and so does the cost per operand, whatever the model. The sample's figures are
 those of the rows read (exact for them); NVFP4's tensor scale still comes from the whole operand's
 amax, as the recipe takes it. The rows read and the operand's rows are recorded beside the counts.
 
-Limits: each operand costs some 300 small kernels (a fused kernel would be one: on a GPU the
-launches, not the bytes, are the cost of a module-sampled step's block statistics; docs/benchmarks.md).
-Non-finite operands are not meant (their figures are NaN).
+Limits: on the torch path each operand costs some 330 small kernels (on CUDA the kernel of
+:mod:`.block_triton` replaces them). Non-finite operands are not meant: their figures are
+meaningless, and the reader leaves out the passes whose recorded amax is not finite.
 
 Device work per operand: one float32 copy, the block amaxes (MX and NVFP4), the tensor amax, a few
 elementwise passes per recipe (its scaled elements and their cast, summed: the measured figures)
@@ -57,11 +58,11 @@ class BlockStats:
 
 
 def block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = None,
-                max_elements: int = MAX_ELEMENTS) -> BlockStats:
+                max_elements: int | None = None) -> BlockStats:
     """The block statistics of ``tensor`` (any float dtype; times ``inv_scale``, a 0-dim float32 on
     its device, as torch's ``unscale_`` multiplies), blocks along its last dimension, of a
-    systematic sample of its rows when it has more than ``max_elements`` (module docstring), by
-    the torch path. Non-finite values are not meant (the caller observes finite operands). No sync."""
+    systematic sample of its rows when its rows padded to whole blocks hold more than
+    ``max_elements`` (default :data:`MAX_ELEMENTS`; module docstring), by the torch path. Non-finite values are not meant (the caller observes finite operands). No sync."""
     with torch.no_grad():
         prepared = _prepared(tensor, inv_scale, max_elements)
         if prepared is None:  # (an expert that got no token: nothing counted)
@@ -78,10 +79,13 @@ def block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = None,
 
 
 def packed_block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = None,
-                       max_elements: int = MAX_ELEMENTS, algorithm: str | None = None) -> torch.Tensor:
+                       max_elements: int | None = None, algorithm: str | None = None) -> torch.Tensor:
     """:func:`pack` of :func:`block_stats`: on CUDA where Triton runs, by one kernel
     (:mod:`.block_triton`, the same numbers); ``algorithm`` ``"torch"`` or ``"triton"`` to choose
-    (the tests run the kernel on CPU tensors under Triton's interpreter). No sync."""
+    (the tests run the kernel on CPU tensors under Triton's interpreter). A DTensor is read as
+    this rank's local shard (what its GEMM casts). No sync."""
+    to_local = getattr(tensor, "to_local", None)
+    tensor = to_local() if to_local is not None else tensor
     if algorithm is None:
         algorithm = "triton" if tensor.device.type == "cuda" and not _TRITON_FAILED and triton_available() else "torch"
     if algorithm == "triton":
@@ -93,6 +97,8 @@ def packed_block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = No
                     from .block_triton import triton_packed  # (imports Triton: only where it runs)
 
                     return triton_packed(t, tensor_amax, inv_scale, rows)
+                except torch.cuda.OutOfMemoryError:
+                    raise  # (not the kernel's failure: the caller stops the block statistics)
                 except Exception as exc:  # noqa: BLE001 - the torch path computes the same numbers
                     _TRITON_FAILED.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
                     warnings.warn(f"ampdoctor: the Triton block statistics kernel failed here ({_TRITON_FAILED[0]}); "
@@ -103,22 +109,42 @@ def packed_block_stats(tensor: torch.Tensor, inv_scale: torch.Tensor | None = No
 _TRITON_FAILED: list[str] = []  # why the kernel stopped being used in this process, if it did
 
 
-def _prepared(tensor: torch.Tensor, inv_scale: torch.Tensor | None, max_elements: int
+def _prepared(tensor: torch.Tensor, inv_scale: torch.Tensor | None, max_elements: int | None
               ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
     """``tensor``'s 2-D view (blocks along its last dimension) at the rows to read, its amax
     (float32, unscaled: NVFP4's tensor scale is the whole operand's) and (rows read, rows); None
-    for an empty tensor."""
+    for an empty tensor. Beyond ``max_elements`` (counted with each row padded to whole blocks of
+    32: what the passes and the kernel's tiles cover) every k-th row is read, k odd, so that the
+    sample does not alias with the power-of-two structure of the rows (sequence positions, heads);
+    only those rows are gathered, whatever the tensor's strides."""
     t = tensor.detach()
     if not t.numel():
         return None
-    t = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-    rows = t.shape[0]
+    if not t.dim():
+        t = t.reshape(1, 1)
+    k = t.shape[-1]
+    rows = t.numel() // k
     tensor_amax = torch.linalg.vector_norm(t, float("inf")).float()  # (a reduction, no copy)
     if inv_scale is not None:
         tensor_amax = tensor_amax * inv_scale
-    step = -(-t.numel() // max_elements)
-    if step > 1:  # (index_select: a fake CUDA tensor refuses strided slices)
-        t = t.index_select(0, torch.arange(0, rows, step, device=t.device))
+    padded = -(-k // MX_BLOCK) * MX_BLOCK
+    step = -(-rows * padded // (MAX_ELEMENTS if max_elements is None else max_elements))
+    if step > 1:
+        step += 1 - step % 2  # (odd)
+        # (index_select per leading dimension: a fake CUDA tensor refuses strided slices, and a
+        # view that reshape would copy whole is gathered at the sampled rows only)
+        index = torch.arange(0, rows, step, device=t.device)
+        lead = t.shape[:-1]
+        if len(lead) == 1:
+            t = t.index_select(0, index)
+        else:
+            coords = []
+            for size in reversed(lead):
+                coords.append(index % size)
+                index = index // size
+            t = t[tuple(reversed(coords))]
+    else:
+        t = t.reshape(rows, k)
     return t, tensor_amax, (t.shape[0], rows)
 
 

@@ -3,9 +3,9 @@ on CUDA where Triton runs): the same numbers as the torch path of :mod:`.block_s
 some 330 kernel launches an operand; here one launch and a few small reductions.
 
 Why a kernel: on a GPU the torch path's cost is its launches (a module-sampled step of GPT-2-small
-has ~150 operands: ~50,000 launches), not its bytes. Each program reads a tile of ``TR`` rows x ``TC``
-columns of the operand's 2-D view once (``TC`` a multiple of 32: whole MX and NVFP4 blocks; columns
-past the end read as zeros, the recipes' padding), computes every block amax, the seven recipes'
+has ~150 operands: ~50,000 launches), not its bytes. Each program reads a tile of :data:`TILE`
+elements of the operand's 2-D view once, ``TR`` rows x ``TC`` columns (``TC`` a multiple of 32: whole
+MX and NVFP4 blocks; columns past the end read as zeros, the recipes' padding), computes every block amax, the seven recipes'
 casts and the window bins in registers, and writes its partial results: histograms
 (``tl.histogram``, per program: no atomics), counts (int32) and sums of squares (float64). The
 host adds the programs' partials (three reductions) and gathers them in the column's layout
@@ -13,7 +13,10 @@ host adds the programs' partials (three reductions) and gathers them in the colu
 
 Exactness: the element and scale roundings are done in float32 arithmetic (nearest, ties to even,
 by adding and subtracting 1.5 * 2^23; no floating-point contraction, which could fuse them),
-divisions with ``div_rn``: bit for bit the torch path's counts; the sums of squares accumulate in float64 in another order (to ~1e-7 relative). Under
+divisions with ``div_rn`` (``div.rn.f32``, subnormals kept): the torch path's counts on the CPU
+bit for bit; the sums of squares accumulate in float64 in another order (to ~1e-7 relative).
+(PyTorch's CUDA division of a tensor by a Python number multiplies by its reciprocal: the torch
+path run on a GPU, and torchao's casts there, can differ in the last bit of a block scale.) Under
 ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors: that is how CI tests it against the torch
 path. A bfloat16 operand is widened by a shift (the interpreter flushed its subnormals when
 converting, as noted in :mod:`.full_triton_kernels`).
@@ -21,6 +24,7 @@ converting, as noted in :mod:`.full_triton_kernels`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -32,7 +36,9 @@ from ..run_file.block_bins import (E4M3_EPS, EXP_BINS, EXP_RANGE, LAYOUT, MX_BLO
                                    PER_BINADE, Q_BINS, Q_WINDOW, RATIO_BINS, RATIO_WINDOW, RECIPES, REL_BINS,
                                    REL_WINDOW)
 
-TR, TC = 4, 256       # a program's tile: rows x columns (8 MX blocks, 16 NVFP4 blocks a row): 1,024 elements
+TILE = 1024           # elements of a program's tile: TR rows x TC columns, TC the least of 32, 64, 128,
+                      # 256 that holds a row (whole MX and NVFP4 blocks; at most 8 MX blocks a row), so
+                      # that a narrow operand wastes few lanes; 4 x 256 compiles in 2 s (16 x 256: 7.7 s)
 WARPS = 4
 # The partial histograms of a program, side by side (each a power of two, its last bin the trash).
 H_REL, H_BLOCKS, H_ELEMENTS, H_Q, H_RATIO = 0, 1024, 2048, 3072, 3200
@@ -95,7 +101,7 @@ def _mx_cast(x, present, floor_raw, klass, counts, sums, K: tl.constexpr, MBITS:
     tl.store(sums + 7 + K, ref)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_read", "rows_total"])  # (one compilation for every row count)
 def _block_kernel(data, n_rows, n_cols, row_stride, tensor_amax, inv_scale, rows_read, rows_total,
                   hist_out, counts_out, sums_out, HAS_INV: tl.constexpr, BF16: tl.constexpr,
                   TR: tl.constexpr, TC: tl.constexpr):
@@ -198,8 +204,15 @@ def _layout_index(device: torch.device) -> torch.Tensor:
         "nonzero": np.array([c + 14]),
         "rows": np.array([c + 17, c + 18]),
     }
-    index = np.concatenate([parts[name] for name, _ in LAYOUT])
-    return torch.from_numpy(index.astype(np.int64)).to(device)
+    index = torch.from_numpy(np.concatenate([parts[name] for name, _ in LAYOUT]).astype(np.int64))
+    if device.type == "cuda":  # (from pinned memory, not blocking: a pageable copy would sync)
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def _on(device: torch.device):
+    """``device`` current while the kernel launches (a no-op off CUDA: the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def triton_packed(t2: torch.Tensor, tensor_amax: torch.Tensor, inv_scale: torch.Tensor | None,
@@ -210,7 +223,9 @@ def triton_packed(t2: torch.Tensor, tensor_amax: torch.Tensor, inv_scale: torch.
     if t2.stride(1) != 1:
         t2 = t2.contiguous()
     n_rows, n_cols = t2.shape
-    grid = (triton.cdiv(n_rows, TR), triton.cdiv(n_cols, TC))
+    tc = min(256, max(32, triton.next_power_of_2(n_cols)))
+    tr = TILE // tc
+    grid = (triton.cdiv(n_rows, tr), triton.cdiv(n_cols, tc))
     programs = grid[0] * grid[1]
     device = t2.device
     hist = torch.empty(programs, HIST, dtype=torch.int32, device=device)
@@ -218,9 +233,11 @@ def triton_packed(t2: torch.Tensor, tensor_amax: torch.Tensor, inv_scale: torch.
     sums = torch.empty(programs, N_SUMS, dtype=torch.float64, device=device)
     bf16 = t2.dtype == torch.bfloat16
     data = t2.view(torch.int16) if bf16 else t2
-    _block_kernel[grid](data, n_rows, n_cols, t2.stride(0), tensor_amax, inv_scale if inv_scale is not None else
-                        tensor_amax, rows[0], rows[1], hist, counts, sums, HAS_INV=inv_scale is not None, BF16=bf16,
-                        TR=TR, TC=TC, num_warps=WARPS, enable_fp_fusion=False)
+    with _on(device):  # (Triton launches on the current device: a hook may run with another one current)
+        _block_kernel[grid](data, n_rows, n_cols, t2.stride(0), tensor_amax,
+                            inv_scale if inv_scale is not None else tensor_amax, rows[0], rows[1], hist, counts, sums,
+                            HAS_INV=inv_scale is not None, BF16=bf16, TR=tr, TC=tc, num_warps=WARPS,
+                            enable_fp_fusion=False)
     totals = torch.cat([hist.sum(0, dtype=torch.int64).double(), counts.sum(0, dtype=torch.int64).double(),
                         sums.sum(0)])
     return totals.index_select(0, _layout_index(device))

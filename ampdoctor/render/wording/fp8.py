@@ -260,16 +260,23 @@ def limits(data: dict) -> list[str]:
     if formats:
         out.append(f"Formats: {formats}.")
     out.append(HISTOGRAM_NOTE)
-    if (data.get("block_formats") or {}).get("assessed"):
+    blocks = data.get("block_formats") or {}
+    if blocks.get("assessed"):
         out.append(BLOCK_NOTE)
+        left = blocks.get("left_out") or {}
+        if left.get("non_finite") or left.get("damaged"):
+            out.append(f"Block formats leave out {_count(left.get('non_finite') or 0, 'operand value')} of operands "
+                       f"that held an inf or a NaN (steps the scaler skipped: no recipe casts them) and "
+                       f"{_count(left.get('damaged') or 0, 'damaged value')}.")
     return out
 
 
 BLOCK_NOTE = ("Block formats: blocks run along each operand's reduction dimension (a Linear's input and weight in the "
               "forward GEMM, its output gradient in the input gradient's), one orientation only (the weight "
               "gradient's GEMM blocks the output gradient and the input along the tokens); operands of more than "
-              "2^18 elements are read at a systematic sample of their rows; NVFP4's stochastic rounding and "
-              "Hadamard transforms (TransformerEngine's, for gradients) are not modelled.")
+              "2^18 elements are read at every k-th row (k odd); NVFP4 training's random Hadamard transforms and "
+              "stochastic rounding (torchao's and TransformerEngine's) and TransformerEngine's 16x16 weight "
+              "blocks are not modelled.")
 
 
 # -- block formats (issue 42) -----------------------------------------------------------------------
@@ -368,7 +375,7 @@ def block_keep_items(data: dict) -> list[str]:
         if worst is not None:
             text += f"; worst `{worst[1]}`: {block_reason(worst[2])}"
         if not every:
-            text += f". With torchao: `module_filter_fn={recipe.get('module_filter_fn')}`"
+            text += f". With torchao: `quantize_(model, config, filter_fn={recipe.get('filter_fn')})`"
             if recipe.get("te_debug_config"):
                 text += f"; with TransformerEngine's debug API: `--te-config FILE --recipe {recipe['name']}`"
         items.append(text + ".")
