@@ -228,11 +228,13 @@ def _scaled(x: np.ndarray, recipe: BlockRecipe) -> np.ndarray:
         tensor_scale = amax.max() / NV_TENSOR_DIVISOR
         block_scale = E4M3.round(np.clip(amax / 6.0 / tensor_scale, E4M3_EPS, 448.0))
         return b / tensor_scale / block_scale[:, None]
-    emax = int(np.floor(np.log2(ELEMENTS[recipe.element.name][2])))
-    floor = np.floor(np.log2(amax))
-    if recipe.scale == "round-up":
-        floor = np.ceil(np.log2(amax / recipe.element.max)) + emax
-    return b / np.exp2(floor - emax)[:, None]
+    fmax = ELEMENTS[recipe.element.name][2]
+    emax = int(np.floor(np.log2(fmax)))
+    mantissa, exponent = np.frexp(amax)  # (exact, as the device's: no logarithm)
+    floor = exponent - 1
+    if recipe.scale == "round-up":  # ceil(log2(amax / max)) + emax
+        floor = floor + (2 * mantissa > fmax / 2.0 ** emax)
+    return b / np.ldexp(1.0, floor - emax)[:, None]
 
 
 # -- the figures -----------------------------------------------------------------------------------------
