@@ -143,3 +143,83 @@ def _scale(fmax: float, a: float) -> float:
     """``fmax / a`` in float32, as both libraries compute it (float32 overflow: its maximum)."""
     s = torch.tensor(fmax, dtype=torch.float32) / torch.tensor(a, dtype=torch.float32)
     return float(s) if math.isfinite(float(s)) else float(torch.finfo(torch.float32).max)
+
+
+def run_steps(scaler, opt, loss_of, steps: int, *, dtype: torch.dtype = torch.float16, before=None,
+              inject_inf_at: int | None = None) -> None:
+    """``steps`` training steps of ``loss_of(step)`` under ``dtype`` autocast through ``scaler``
+    (closed after, whatever happens): ``before(step)`` first; the loss times inf at
+    ``inject_inf_at`` (a step the scaler skips)."""
+    try:
+        for step in range(steps):
+            if before is not None:
+                before(step)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = loss_of(step)
+            if step == inject_inf_at:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        scaler.close()
+
+
+def train_captured(arch, dtype: torch.dtype, path, steps: int, *, module_every: int, inject=None, lr: float = 3e-3,
+                   init_scale: float = 2.0 ** 12, **options):
+    """Train ``arch`` (tests/architectures.py) ``steps`` steps with AdamW in ``dtype`` autocast
+    (float16: a real GradScaler; bfloat16: the scaler disabled), recorded by ampdoctor at
+    ``level="full"`` (``module_every``, ``options``) while :class:`OperandCapture` captures every
+    GEMM operand; ``inject(model, step)`` before a step. Returns the capture and each step's loss
+    scale (1 for bf16)."""
+    import ampdoctor
+
+    model = arch.model
+    fp16 = dtype == torch.float16
+    scaler = ampdoctor.GradScaler("cpu", enabled=fp16, path=path, level="full", model=model,
+                                  module_every=module_every, init_scale=init_scale, **options)
+    capture = OperandCapture(model)
+    scales = []
+
+    def before(step):
+        if inject is not None:
+            inject(model, step)
+        scales.append(float(scaler.get_scale()) if fp16 else 1.0)
+
+    try:
+        run_steps(scaler, torch.optim.AdamW(model.parameters(), lr=lr), lambda step: arch.loss(model, step), steps,
+                  dtype=dtype, before=before)
+    finally:
+        capture.remove()
+    return capture, scales
+
+
+def plant_outliers(model: nn.Module) -> None:
+    """Outliers as real models have them: one large weight (the first GEMM layer's that is not a
+    convolution, x1000) and a massive activation channel (channel 3 of the input embedding, x100,
+    carried by the residual stream; ViT: its patch embedding's bias)."""
+    first = next(m for m in gemm_layers(model).values() if not isinstance(m, nn.Conv2d))
+    with torch.no_grad():
+        first.weight.view(-1)[0] *= 1000.0
+        embedding = model.get_input_embeddings()
+        if isinstance(embedding, nn.Embedding):
+            embedding.weight[:, 3] *= 100.0
+        else:
+            embedding.projection.bias[3] += 100.0
+
+
+def one_step_operands(arch, dtype: torch.dtype, planted: bool) -> list[tuple[str, torch.Tensor]]:
+    """Every finite, not all-zero GEMM operand of one ``dtype`` autocast step of ``arch``
+    (tests/architectures.py), captured by :class:`OperandCapture`: ``(layer.kind, float32 copy)``."""
+    if planted:
+        plant_outliers(arch.model)
+    capture = OperandCapture(arch.model)
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = arch.loss(arch.model, 0)
+        loss.float().backward()
+    finally:
+        capture.remove()
+    return [(f"{layer}.{kind}", x) for layer, ops in capture.operands.items() for kind, xs in ops.items()
+            for x in xs if x.numel() and bool(torch.isfinite(x).all()) and bool((x != 0).any())]

@@ -42,45 +42,24 @@ def within(predicted: float, true: float) -> bool:
     return abs(predicted - true) <= max(0.005, 0.25 * true)
 
 
-def _plant(model: nn.Module) -> None:
-    """One large weight (the first GEMM layer's, x1000) and a massive activation channel (channel 3
-    of the input embedding, x100)."""
-    first = next(m for m in F8.gemm_layers(model).values() if not isinstance(m, nn.Conv2d))
-    with torch.no_grad():
-        first.weight.view(-1)[0] *= 1000.0
-        embedding = model.get_input_embeddings()
-        if isinstance(embedding, nn.Embedding):
-            embedding.weight[:, 3] *= 100.0
-        else:  # (ViT: the patch embedding's convolution)
-            embedding.projection.bias[3] += 100.0
-
-
 def _train(name: str, dtype: torch.dtype, planted: bool, path):
     """``name`` trained STEPS steps with ampdoctor recording at level='full' (module_every 3) and the
     test's own capture; returns the model, the capture and each step's loss scale."""
     arch = A.build(name)
-    model = arch.model
     if planted:
-        _plant(model)
-    fp16 = dtype == torch.float16
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = ampdoctor.GradScaler("cpu", enabled=fp16, path=path, level="full", model=model,
-                                  module_every=MODULE_EVERY, init_scale=2.0 ** 10, growth_interval=10 ** 6)
-    capture = F8.OperandCapture(model)
-    scales = []
-    try:
-        for step in range(STEPS):
-            with torch.autocast("cpu", dtype=dtype):
-                loss = arch.loss(model, step)
-            scales.append(float(scaler.get_scale()) if fp16 else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        capture.remove()
-        scaler.close()
-    return model, capture, scales
+        F8.plant_outliers(arch.model)
+    capture, scales = F8.train_captured(arch, dtype, path, STEPS, module_every=MODULE_EVERY, lr=1e-3,
+                                        init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    return arch.model, capture, scales
+
+
+def _mlp_run(path, steps: int, **options):
+    """A two-layer MLP recorded at level='full' (``options``) for ``steps`` steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    scaler = ampdoctor.GradScaler("cpu", path=path, level="full", model=model, **options)
+    F8.run_steps(scaler, torch.optim.SGD(model.parameters(), lr=1e-3),
+                 lambda step: model(torch.randn(4, 32)).float().pow(2).mean(), steps)
 
 
 def _oriented(module: nn.Module, operand: str, x: torch.Tensor) -> torch.Tensor:
@@ -239,19 +218,12 @@ def test_the_recorder_takes_them_on_the_cadence_only_and_not_for_convolutions(tm
     scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model, module_every=4,
                                   init_scale=2.0 ** 8)
     weights = {}
-    try:
-        for step in range(9):
-            weights[step] = model.proj.weight.detach().clone()
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(2, 4, 6)).float().pow(2).mean()
-            if step == 1:
-                loss = loss * float("inf")  # a skipped step: the next 20 are escalated
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        scaler.close()
+
+    def loss_of(step):
+        weights[step] = model.proj.weight.detach().clone()  # (as the step's forward uses it)
+        return model(torch.randn(2, 4, 6)).float().pow(2).mean()
+
+    F8.run_steps(scaler, opt, loss_of, 9, inject_inf_at=1)  # (a skipped step: the next 20 are escalated)
     frame = pq.read_table(tmp_path / "run").to_pandas()
     gemm = frame[frame["kind"].str.startswith("gemm")]
     with_blocks = gemm[gemm["block_stats"].notna()]
@@ -365,19 +337,7 @@ def test_a_short_run_at_the_default_options_is_assessed(tmp_path):
     """A 12-step run at the recorder's defaults (level='full', module_every 1000) has block
     statistics at step 0, and fp8 judges every converted layer from them."""
     pytest.importorskip("transformers")
-    arch = A.build("gpt2")
-    opt = torch.optim.AdamW(arch.model.parameters(), lr=1e-3)
-    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=arch.model, init_scale=2.0 ** 10)
-    try:
-        for step in range(12):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = arch.loss(arch.model, step)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        scaler.close()
+    _record_gpt2(tmp_path / "run", steps=12)
     blocks = fp8_analysis.fp8_data(ampdoctor.read_run(tmp_path / "run"))["block_formats"]
     assert blocks["assessed"] and blocks["sampled_steps"] == [0]
     for layer in blocks["layers"]:
@@ -385,24 +345,13 @@ def test_a_short_run_at_the_default_options_is_assessed(tmp_path):
         assert all(op["sampled_passes"] == 1 for op in layer["operands"]), layer["name"]
 
 
-def _record_gpt2(path, steps: int, module_every: int, inject_inf_at=None):
+def _record_gpt2(path, steps: int, inject_inf_at: int | None = None, **options) -> None:
+    """GPT-2 (tiny) recorded at level='full' in fp16, the recorder's defaults but for ``options``."""
     arch = A.build("gpt2")
-    opt = torch.optim.AdamW(arch.model.parameters(), lr=1e-3)
-    scaler = ampdoctor.GradScaler("cpu", path=path, level="full", model=arch.model, module_every=module_every,
-                                  init_scale=2.0 ** 10, growth_interval=10 ** 6)
-    try:
-        for step in range(steps):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = arch.loss(arch.model, step)
-            if step == inject_inf_at:
-                loss = loss * float("inf")
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        scaler.close()
-    return arch.model
+    scaler = ampdoctor.GradScaler("cpu", path=path, level="full", model=arch.model, init_scale=2.0 ** 10,
+                                  growth_interval=10 ** 6, **options)
+    F8.run_steps(scaler, torch.optim.AdamW(arch.model.parameters(), lr=1e-3), lambda step: arch.loss(arch.model, step),
+                 steps, inject_inf_at=inject_inf_at)
 
 
 def test_the_gradients_of_a_skipped_step_are_left_out_not_judged(tmp_path):
@@ -411,7 +360,7 @@ def test_the_gradients_of_a_skipped_step_are_left_out_not_judged(tmp_path):
     pytest.importorskip("transformers")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _record_gpt2(tmp_path / "run", steps=5, module_every=4, inject_inf_at=0)
+        _record_gpt2(tmp_path / "run", steps=5, inject_inf_at=0, module_every=4)
     data = fp8_analysis.fp8_data(ampdoctor.read_run(tmp_path / "run"))
     blocks = data["block_formats"]
     assert blocks["sampled_steps"] == [0, 4] and blocks["left_out"]["non_finite"] >= len(blocks["layers"])
@@ -437,45 +386,6 @@ def test_damaged_values_are_left_out_and_counted():
     assert passes.damaged == 2 and passes.ranks == 1
     [(_, _, stats)] = passes.operands[("fc", "gemm_input")]
     assert stats.nonzero == 8 * 64
-
-
-def test_the_kernel_falls_back_to_the_torch_path_once_warned(monkeypatch):
-    from ampdoctor.stats import block_stats as module
-    from ampdoctor.stats import block_triton
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(block_triton, "triton_packed", broken)
-    monkeypatch.setattr(module, "_TRITON_FAILED", [])
-    x = torch.randn(16, 64)
-    with pytest.warns(RuntimeWarning, match="Triton block statistics kernel failed here .RuntimeError: no compiler"):
-        first = module.packed_block_stats(x, algorithm="triton")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        module.packed_block_stats(x)  # (the torch path from then on, without a word)
-    assert torch.equal(first, module.packed_block_stats(x, algorithm="torch"))
-
-
-def test_a_narrow_operand_is_sampled_by_its_padded_size(monkeypatch):
-    """A value head's output gradient [rows, 1] pads every row to a block of 32: the sample counts
-    the padded elements, and the kernel's tiles (32 x 32 there) stay few, its partial results small."""
-    from ampdoctor.stats import block_triton
-    from ampdoctor.stats.block_stats import MAX_ELEMENTS, packed_block_stats
-
-    grids = []
-
-    class Grid(dict):
-        def __missing__(self, grid):
-            grids.append(grid)
-            return lambda *a, **k: None
-
-    monkeypatch.setattr(block_triton, "_block_kernel", Grid())
-    packed_block_stats(torch.randn(1 << 20, 1), algorithm="triton")
-    [(rows, cols)] = grids
-    assert cols == 1 and rows * block_triton.TILE <= 2 * MAX_ELEMENTS
-    stats = BlockStatsHost.from_values(pack(block_stats(torch.randn(1 << 20, 1))).numpy())
-    assert stats.rows[0] * 32 <= MAX_ELEMENTS and stats.rows[1] == 1 << 20
 
 
 def test_sampled_rows_on_a_recorded_run_are_every_kth_row_k_odd(tmp_path, monkeypatch):
@@ -531,21 +441,8 @@ def test_block_statistics_that_fail_stop_alone(tmp_path, monkeypatch):
         raise NotImplementedError("float8 casts on this backend")
 
     monkeypatch.setattr(gemm_operands, "packed_block_stats", broken)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model, module_every=2)
-    try:
-        with pytest.warns(RuntimeWarning, match="block statistics stopped .NotImplementedError: float8 casts"):
-            for _ in range(5):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = model(torch.randn(4, 32)).float().pow(2).mean()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        scaler.close()
+    with pytest.warns(RuntimeWarning, match="block statistics stopped .NotImplementedError: float8 casts"):
+        _mlp_run(tmp_path / "run", 5, module_every=2)
     frame = pq.read_table(tmp_path / "run").to_pandas()
     gemm = frame[frame["kind"].str.startswith("gemm")]
     assert gemm["block_stats"].isna().all()
@@ -556,19 +453,7 @@ def test_beyond_the_cap_block_statistics_are_dropped_with_a_warning(tmp_path, mo
     from ampdoctor.record import gemm_operands
 
     monkeypatch.setattr(gemm_operands, "MAX_BLOCK_STATS", 2)
-    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model)
-    try:
-        with pytest.warns(RuntimeWarning, match="block statistics of the rest are not recorded"):
-            for _ in range(2):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = model(torch.randn(4, 32)).float().pow(2).mean()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-    finally:
-        scaler.close()
+    with pytest.warns(RuntimeWarning, match="block statistics of the rest are not recorded"):
+        _mlp_run(tmp_path / "run", 2)
     frame = pq.read_table(tmp_path / "run").to_pandas()
     assert frame["block_stats"].notna().sum() == 2

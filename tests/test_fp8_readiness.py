@@ -33,32 +33,9 @@ MODULE_EVERY = 3   # sampled steps 0, 3, 6
 
 def train(arch: A.Arch, dtype: torch.dtype, path: str, steps: int = STEPS, inject=None,
           module_every: int = MODULE_EVERY):
-    """Train ``arch`` with ampdoctor recording and the truth's own hooks; returns the capture and
-    each step's loss scale (1 for bf16)."""
-    import ampdoctor
-
-    model = arch.model
-    fp16 = dtype == torch.float16
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scaler = ampdoctor.GradScaler("cpu", enabled=fp16, path=path, level="full", model=model,
-                                  module_every=module_every, every=module_every, init_scale=2.0**12)
-    capture = F.OperandCapture(model)
-    scales = []
-    try:
-        for step in range(steps):
-            if inject is not None:
-                inject(model, step)
-            with torch.autocast("cpu", dtype=dtype):
-                loss = arch.loss(model, step)
-            scales.append(float(scaler.get_scale()) if fp16 else 1.0)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        capture.remove()
-        scaler.close()
-    return capture, scales
+    """Train ``arch`` with ampdoctor recording and the truth's own hooks (``every`` = the module
+    interval); returns the capture and each step's loss scale (1 for bf16)."""
+    return F.train_captured(arch, dtype, path, steps, module_every=module_every, inject=inject, every=module_every)
 
 
 def truth(capture: F.OperandCapture, scales: list[float]) -> dict:
