@@ -3,9 +3,10 @@ block-scaled recipe (MXFP8, MXFP4, NVFP4), what casting its operands would flush
 from the ``block_stats`` rows a run records on its module-sampled steps (the cadence's:
 :mod:`ampdoctor.record.gemm_operands`).
 
-**Passes.** A pass is one operand of one layer at one call of a sampled step (a weight: one per
-step), its statistics summed over the ranks (each rank casts its own tensor: every count and sum
-adds up). **Figures** per pass and cast (:data:`~ampdoctor.run_file.block_bins.RECIPES`) are the
+**Passes.** A pass is one operand of one layer at a sampled step (the recorder keeps the first
+call's), its statistics summed over the ranks (each rank casts its own tensor: every count and sum
+adds up); the rows of an operand whose recorded amax is not finite (a step the scaler skipped: no
+recipe casts it) and damaged values are left out, and counted. **Figures** per pass and cast (:data:`~ampdoctor.run_file.block_bins.RECIPES`) are the
 measured ones (:func:`~.block_formats.measured`: the operand cast on the device exactly as torchao's
 reference casts it); the histograms' predictions (:func:`~.block_formats.predict`) are given beside
 them by :func:`block_predictions`.
@@ -34,8 +35,8 @@ from ..read.engine import EngineCannot, present_batches
 from ..run_file.block_bins import (BLOCK_VALUES, E4M3_EPS, ELEMENTS, EXP_RANGE, LAYOUT, NV_TENSOR_DIVISOR,
                                    RATIO_WINDOW, window_edges)
 from ..run_file.schema import GEMM_KINDS, ROOT_NAME
-from .te_config import te_debug_config
 from .block_formats import E4M3, RECIPES, BlockRecipe, BlockStatsHost, measured, predict
+from .te_config import te_debug_config
 
 INPUT, WEIGHT, GRAD = GEMM_KINDS
 OPERAND_NAMES = {INPUT: "input", WEIGHT: "weight", GRAD: "grad_output"}
