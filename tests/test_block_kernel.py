@@ -157,7 +157,7 @@ def test_a_narrow_operand_is_sampled_by_its_padded_size(monkeypatch):
 
     monkeypatch.setattr(block_triton, "_block_kernel", Grid())
     packed_block_stats(torch.randn(1 << 20, 1), algorithm="triton")
-    [(rows, cols)] = grids
+    [(cols, rows)] = grids  # (column tiles on axis 0)
     assert cols == 1 and rows * block_triton.TILE <= 2 * MAX_ELEMENTS
     from ampdoctor.analysis.block_formats import BlockStatsHost
 

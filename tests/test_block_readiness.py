@@ -457,3 +457,52 @@ def test_beyond_the_cap_block_statistics_are_dropped_with_a_warning(tmp_path, mo
         _mlp_run(tmp_path / "run", 2)
     frame = pq.read_table(tmp_path / "run").to_pandas()
     assert frame["block_stats"].notna().sum() == 2
+
+
+def test_the_sample_stays_within_its_budget_whatever_the_width():
+    """Rows read times the padded width stay within the budget (a row wider than it is read whole),
+    for widths that do not divide it too; a vector is one row."""
+    for width, rows in ((768, 1024), (151936, 4), (100, 3001), (33, 5000), (4096, 64)):
+        x = torch.randn(rows, width)
+        stats = BlockStatsHost.from_values(pack(block_stats(x, max_elements=1 << 15)).numpy())
+        padded = -(-width // 32) * 32
+        assert stats.rows[1] == rows and (stats.rows[0] * padded <= 1 << 15 or stats.rows[0] == 1), (width, rows)
+    stats = BlockStatsHost.from_values(pack(block_stats(torch.randn(1000), max_elements=256)).numpy())
+    assert stats.rows == (1, 1) and stats.nonzero == 1000
+
+
+def test_an_expert_without_tokens_leaves_the_pass_to_a_later_call(tmp_path):
+    """A layer called twice in a step, first on no tokens (an MoE expert): the step's pass is the
+    second call's input."""
+    lin = nn.Linear(32, 32)
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.expert = lin
+
+        def forward(self, x):
+            return self.expert(x[:0]).sum() + self.expert(x).sum()
+
+    model = MoE()
+    scaler = ampdoctor.GradScaler("cpu", path=tmp_path / "run", level="full", model=model)
+    F8.run_steps(scaler, torch.optim.SGD(model.parameters(), lr=1e-3),
+                 lambda step: model(torch.randn(16, 32)).float(), 1)
+    frame = pq.read_table(tmp_path / "run").to_pandas()
+    [value] = frame[(frame["kind"] == "gemm_input") & frame["block_stats"].notna()]["block_stats"]
+    assert BlockStatsHost.from_values(value).rows == (16, 16)
+
+
+def test_an_operand_too_small_for_nvfp4s_scale_is_unknown_there_not_damaged():
+    """Below ~1e-35 NVFP4's tensor scale has no float32 reciprocal (torchao's cast fails alike): its
+    NVFP4 figures are unknown, the MX ones stand, and the value is not taken for damaged."""
+    x = (torch.randn(8, 64) * 1e-37).bfloat16()
+    value = pack(block_stats(x)).numpy()
+    frame = __import__("pandas").DataFrame({"step": [0], "rank": [0], "kind": ["gemm_input"], "name": ["fc"],
+                                            "call": [0], "amax": [1e-37], "block_stats": [value]})
+    passes = passes_of(frame)
+    assert passes.damaged == 0
+    [(_, _, stats)] = passes.operands[("fc", "gemm_input")]
+    assert np.isnan(measured(stats, CAST["nvfp4"]).flushed)
+    assert measured(stats, CAST["mxfp8_e4m3_round_up"]).flushed == pytest.approx(
+        T.cast(x, "e4m3", "round-up", 32, 448.0).flushed)

@@ -120,6 +120,8 @@ def measured(stats: BlockStatsHost, recipe: BlockRecipe) -> BlockFigures:
     """The figures the device measured for ``recipe`` (exact: the operand cast as torchao casts
     it); NaN where the operand has no nonzero element."""
     flushed, saturated, error, reference = np.asarray(stats.measured, dtype=np.float64)[RECIPES.index(recipe)]
+    if not (np.isfinite(error) and np.isfinite(reference)):  # (no cast: NVFP4 of an operand below ~1e-35)
+        return BlockFigures(recipe.name, *(np.nan,) * 5)
     return _figures(recipe, stats, flushed, saturated, error, reference, clamped_elements=0.0)
 
 

@@ -3,8 +3,8 @@ block-scaled recipe (MXFP8, MXFP4, NVFP4), what casting its operands would flush
 from the ``block_stats`` rows a run records on its module-sampled steps (the cadence's:
 :mod:`ampdoctor.record.gemm_operands`).
 
-**Passes.** A pass is one operand of one layer at a sampled step (the recorder keeps the first
-call's), its statistics summed over the ranks (each rank casts its own tensor: every count and sum
+**Passes.** A pass is one operand of one layer at a sampled step (the recorder keeps one call's:
+the first to arrive), its statistics summed over the ranks (each rank casts its own tensor: every count and sum
 adds up); the rows of an operand whose recorded amax is not finite (a step the scaler skipped: no
 recipe casts it) and damaged values are left out, and counted. **Figures** per pass and cast (:data:`~ampdoctor.run_file.block_bins.RECIPES`) are the
 measured ones (:func:`~.block_formats.measured`: the operand cast on the device exactly as torchao's
@@ -134,10 +134,13 @@ def _stream(batches: Iterable[pa.RecordBatch]) -> BlockPasses:
 
 def _sound(values: np.ndarray) -> np.ndarray:
     """Per row of ``values`` [n, BLOCK_VALUES]: whether it is block statistics as the recorder
-    writes them (every number finite, counts non-negative integers, no more rows read than the
-    operand has)."""
-    finite = np.isfinite(values).all(axis=1)
+    writes them (counts finite non-negative integers, sums non-negative, no more rows read than
+    the operand has)."""
+    # (the sums may be inf: NVFP4's tensor scale of an operand below ~1e-35 has no float32
+    # reciprocal, as in torchao's cast; its NVFP4 figures are then unknown, the rest stands)
     counts = np.delete(values, _SUMS, axis=1)
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(counts).all(axis=1) & (values[:, _SUMS] >= 0).all(axis=1)
     with np.errstate(invalid="ignore"):
         whole = ((counts >= 0) & (counts == np.floor(counts))).all(axis=1)
     rows = values[:, _ROWS]
@@ -183,7 +186,9 @@ class _Sums:
         if not len(keys):
             return
         kind = keys["kind"].astype(str).to_numpy()
-        call = np.where(kind == WEIGHT, -1, keys["call"].fillna(-1).to_numpy(dtype=np.float64)).astype(np.int64)
+        # (one pass per operand a step on each rank, whichever call it came from: ranks whose
+        # calls are numbered apart still make one pass)
+        call = np.full(len(kind), -1, dtype=np.int64)
         frame = pd.DataFrame({"name": keys["name"].astype(str).to_numpy(), "kind": kind,
                               "step": keys["step"].to_numpy(dtype=np.int64), "call": call})
         self.ranks.update(pd.unique(keys["rank"]).tolist())

@@ -159,8 +159,9 @@ class GemmOperands:
 
     def _block_stats(self, key: tuple, name: str, module: nn.Module, tensor: torch.Tensor,
                      inv: torch.Tensor | None) -> None:
-        """One pass per (layer, kind) a step (the first call's: the verdicts read the worst pass,
-        and a layer called many times would crowd others out), at most :data:`MAX_BLOCK_STATS`;
+        """One pass per (layer, kind) a step (the first to arrive: an input's and a weight's at the
+        first call, an output gradient's normally at the last, backward running in reverse; the
+        verdicts read the worst pass, and a layer called many times would crowd others out), at most :data:`MAX_BLOCK_STATS`;
         a failure (an op the backend lacks, out of memory) stops block statistics for the run, not
         the module taps (``blocks_failed`` says why)."""
         kind = key[0]
@@ -171,7 +172,7 @@ class GemmOperands:
             self.dropped_blocks += 1
             return
         view = block_view(module, kind, tensor)
-        if view is None:
+        if view is None or not view.numel():  # (an expert without tokens leaves the slot to a later call)
             return
         try:
             self._blocks[key] = packed_block_stats(view, inv)

@@ -120,15 +120,16 @@ def _prepared(tensor: torch.Tensor, inv_scale: torch.Tensor | None, max_elements
     t = tensor.detach()
     if not t.numel():
         return None
-    if not t.dim():
-        t = t.reshape(1, 1)
+    if t.dim() < 2:  # (a vector or a scalar: one row)
+        t = t.reshape(1, -1)
     k = t.shape[-1]
     rows = t.numel() // k
     tensor_amax = torch.linalg.vector_norm(t, float("inf")).float()  # (a reduction, no copy)
     if inv_scale is not None:
         tensor_amax = tensor_amax * inv_scale
     padded = -(-k // MX_BLOCK) * MX_BLOCK
-    step = -(-rows * padded // (MAX_ELEMENTS if max_elements is None else max_elements))
+    fits = max(1, (MAX_ELEMENTS if max_elements is None else max_elements) // padded)  # rows within the budget
+    step = -(-rows // fits)  # (then ceil(rows / step) <= fits; a row wider than the budget is read whole)
     if step > 1:
         step += 1 - step % 2  # (odd)
         # (index_select per leading dimension: a fake CUDA tensor refuses strided slices, and a

@@ -43,8 +43,8 @@ WARPS = 4
 # The partial histograms of a program, side by side (each a power of two, its last bin the trash).
 H_REL, H_BLOCKS, H_ELEMENTS, H_Q, H_RATIO = 0, 1024, 2048, 3072, 3200
 HIST = 3712
-N_COUNTS = 19         # 7 flushed, 7 saturated, nonzero, NVFP4 clamped blocks and elements, rows read, rows
-N_SUMS = 14           # 7 sums (q - Q)^2, 7 sums q^2
+N_COUNTS = 17         # 7 flushed, 7 saturated, nonzero, NVFP4 clamped blocks and elements
+N_SUMS = 16           # 7 sums (q - Q)^2, 7 sums q^2, rows read, rows (float64: any row count)
 assert 3 * REL_BINS < 1024 and 3 * EXP_BINS < 1024 and Q_BINS < 128 and RATIO_BINS < 512
 
 
@@ -105,9 +105,11 @@ def _mx_cast(x, present, floor_raw, klass, counts, sums, K: tl.constexpr, MBITS:
 def _block_kernel(data, n_rows, n_cols, row_stride, tensor_amax, inv_scale, rows_read, rows_total,
                   hist_out, counts_out, sums_out, HAS_INV: tl.constexpr, BF16: tl.constexpr,
                   TR: tl.constexpr, TC: tl.constexpr):
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    rows = tl.program_id(0) * TR + tl.arange(0, TR)
-    cols = tl.program_id(1) * TC + tl.arange(0, TC)
+    # (column tiles on grid axis 0, which CUDA does not cap at 65,535; the row tiles are few: a
+    # sample is at most MAX_ELEMENTS padded elements)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    rows = tl.program_id(1) * TR + tl.arange(0, TR)
+    cols = tl.program_id(0) * TC + tl.arange(0, TC)
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     at = rows[:, None].to(tl.int64) * row_stride + cols[None, :]
     if BF16:
@@ -118,8 +120,8 @@ def _block_kernel(data, n_rows, n_cols, row_stride, tensor_amax, inv_scale, rows
     if HAS_INV:
         x = x * tl.load(inv_scale)
     hist = hist_out + pid.to(tl.int64) * 3712
-    counts = counts_out + pid.to(tl.int64) * 19
-    sums = sums_out + pid.to(tl.int64) * 14
+    counts = counts_out + pid.to(tl.int64) * 17
+    sums = sums_out + pid.to(tl.int64) * 16
 
     # -- MX: blocks of 32 --------------------------------------------------------------------
     b = tl.reshape(x, [TR * TC // 32, 32])
@@ -172,9 +174,9 @@ def _block_kernel(data, n_rows, n_cols, row_stride, tensor_amax, inv_scale, rows
     tl.store(counts + 14, tl.sum(tl.sum(present.to(tl.int32), axis=1), axis=0))
     tl.store(counts + 15, tl.sum(clamped.to(tl.int32), axis=0))
     tl.store(counts + 16, tl.sum(tl.sum((present & clamped[:, None]).to(tl.int32), axis=1), axis=0))
-    first = (pid == 0).to(tl.int32)
-    tl.store(counts + 17, rows_read * first)
-    tl.store(counts + 18, rows_total * first)
+    first = (pid == 0).to(tl.float64)
+    tl.store(sums + 14, rows_read.to(tl.float64) * first)
+    tl.store(sums + 15, rows_total.to(tl.float64) * first)
 
 
 def _check_constants() -> None:
@@ -202,7 +204,7 @@ def _layout_index(device: torch.device) -> torch.Tensor:
         "measured": np.stack([c + np.arange(7), c + 7 + np.arange(7), s + np.arange(7), s + 7 + np.arange(7)],
                              axis=1).reshape(-1),
         "nonzero": np.array([c + 14]),
-        "rows": np.array([c + 17, c + 18]),
+        "rows": np.array([s + 14, s + 15]),
     }
     index = torch.from_numpy(np.concatenate([parts[name] for name, _ in LAYOUT]).astype(np.int64))
     if device.type == "cuda":  # (from pinned memory, not blocking: a pageable copy would sync)
@@ -225,7 +227,7 @@ def triton_packed(t2: torch.Tensor, tensor_amax: torch.Tensor, inv_scale: torch.
     n_rows, n_cols = t2.shape
     tc = min(256, max(32, triton.next_power_of_2(n_cols)))
     tr = TILE // tc
-    grid = (triton.cdiv(n_rows, tr), triton.cdiv(n_cols, tc))
+    grid = (triton.cdiv(n_cols, tc), triton.cdiv(n_rows, tr))
     programs = grid[0] * grid[1]
     device = t2.device
     hist = torch.empty(programs, HIST, dtype=torch.int32, device=device)

@@ -264,10 +264,11 @@ def limits(data: dict) -> list[str]:
     if blocks.get("assessed"):
         out.append(BLOCK_NOTE)
         left = blocks.get("left_out") or {}
-        if left.get("non_finite") or left.get("damaged"):
-            out.append(f"Block formats leave out {_count(left.get('non_finite') or 0, 'operand value')} of operands "
-                       f"that held an inf or a NaN (steps the scaler skipped: no recipe casts them) and "
-                       f"{_count(left.get('damaged') or 0, 'damaged value')}.")
+        parts = ([f"{_count(left['non_finite'], 'value')} of operands that held an inf or a NaN (steps the "
+                  f"scaler skipped: no recipe casts them)"] if left.get("non_finite") else []) + (
+                 [_count(left["damaged"], "damaged value")] if left.get("damaged") else [])
+        if parts:
+            out.append(f"Block formats leave out {' and '.join(parts)}.")
     return out
 
 
