@@ -345,6 +345,18 @@ def test_a_short_run_at_the_default_options_is_assessed(tmp_path):
         assert all(op["sampled_passes"] == 1 for op in layer["operands"]), layer["name"]
 
 
+def test_a_long_run_at_the_default_options_is_assessed_at_steps_0_and_1000(tmp_path):
+    """2000 steps at the defaults (about 16 s here): block statistics at steps 0 and 1000 alone,
+    two passes of every operand, every layer judged for every recipe, nothing left out."""
+    pytest.importorskip("transformers")
+    _record_gpt2(tmp_path / "run", steps=2000)
+    blocks = fp8_analysis.fp8_data(ampdoctor.read_run(tmp_path / "run"))["block_formats"]
+    assert blocks["sampled_steps"] == [0, 1000] and blocks["left_out"] == {"non_finite": 0, "damaged": 0}
+    for layer in blocks["layers"]:
+        assert all(op["sampled_passes"] == 2 for op in layer["operands"]), layer["name"]
+        assert all(r["verdict"] in ("ready", "keep") for r in layer["recipes"]), layer["name"]
+
+
 def _record_gpt2(path, steps: int, inject_inf_at: int | None = None, **options) -> None:
     """GPT-2 (tiny) recorded at level='full' in fp16, the recorder's defaults but for ``options``."""
     arch = A.build("gpt2")
