@@ -32,15 +32,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..read.engine import EngineCannot, present_batches
-from ..run_file.block_bins import (BLOCK_VALUES, E4M3_EPS, ELEMENTS, EXP_RANGE, LAYOUT, NV_TENSOR_DIVISOR,
+from ..run_file.block_bins import (BLOCK_VALUES, E4M3_EPS, ELEMENTS, EXP_RANGE, NV_TENSOR_DIVISOR, OFFSETS,
                                    RATIO_WINDOW, window_edges)
+from ..run_file.block_bins import RECIPES as RECIPE_SPECS
 from ..run_file.schema import GEMM_KINDS, ROOT_NAME
 from .block_formats import E4M3, RECIPES, BlockRecipe, BlockStatsHost, measured, predict
 from .te_config import te_debug_config
 
 INPUT, WEIGHT, GRAD = GEMM_KINDS
 OPERAND_NAMES = {INPUT: "input", WEIGHT: "weight", GRAD: "grad_output"}
-COLUMNS = ["step", "rank", "kind", "name", "call", "amax", "block_stats"]
+COLUMNS = ["step", "rank", "kind", "name", "amax", "block_stats"]  # (one pass an operand a step: no call)
 CAST = {r.name: r for r in RECIPES}
 RECORDED_SINCE = "2026-11-28"   # the first ampdoctor that recorded block statistics
 
@@ -80,7 +81,8 @@ VERDICT_RECIPES = (
 
 @dataclass
 class BlockPasses:
-    """The sampled passes with block statistics: per (layer, row kind), in (step, call) order."""
+    """The sampled passes with block statistics: per (layer, row kind), (step, -1, statistics) in step
+    order (-1: one pass an operand a step, whichever call; the shape of the other passes' keys)."""
 
     operands: dict[tuple[str, str], list[tuple[int, int, BlockStatsHost]]] = field(default_factory=dict)
     ranks: int = 0
@@ -147,20 +149,9 @@ def _sound(values: np.ndarray) -> np.ndarray:
     return finite & whole & (rows[:, 0] <= rows[:, 1])
 
 
-def _layout_offsets() -> tuple[np.ndarray, np.ndarray]:
-    """The positions of the float sums (``measured``'s last two columns) and of ``rows``."""
-    at, sums, rows = 0, [], []
-    for name, shape in LAYOUT:
-        size = int(np.prod(shape))
-        if name == "measured":
-            sums = [at + 4 * r + c for r in range(shape[0]) for c in (2, 3)]
-        if name == "rows":
-            rows = [at, at + 1]
-        at += size
-    return np.array(sums), np.array(rows)
-
-
-_SUMS, _ROWS = _layout_offsets()
+# The positions of the float sums (``measured``'s last two columns: [recipes, 4]) and of ``rows``.
+_SUMS = OFFSETS["measured"] + np.array([4 * r + c for r in range(len(RECIPE_SPECS)) for c in (2, 3)])
+_ROWS = OFFSETS["rows"] + np.arange(2)
 
 
 class _Sums:
@@ -173,7 +164,7 @@ class _Sums:
         self.non_finite = self.damaged = 0
 
     def add(self, keys: pd.DataFrame, values: np.ndarray) -> None:
-        """Rows ``keys`` (kind, name, step, call, rank, amax) and their values, one row each: those
+        """Rows ``keys`` (kind, name, step, rank, amax) and their values, one row each: those
         of a non-finite operand and damaged values left out, counted."""
         finite = (np.isfinite(keys["amax"].to_numpy(dtype=np.float64, na_value=np.nan)) if "amax" in keys
                   else np.ones(len(keys), dtype=bool))
@@ -185,23 +176,21 @@ class _Sums:
             keys, values = keys[keep], values[keep]
         if not len(keys):
             return
-        kind = keys["kind"].astype(str).to_numpy()
         # (one pass per operand a step on each rank, whichever call it came from: ranks whose
         # calls are numbered apart still make one pass)
-        call = np.full(len(kind), -1, dtype=np.int64)
-        frame = pd.DataFrame({"name": keys["name"].astype(str).to_numpy(), "kind": kind,
-                              "step": keys["step"].to_numpy(dtype=np.int64), "call": call})
+        frame = pd.DataFrame({"name": keys["name"].astype(str).to_numpy(), "kind": keys["kind"].astype(str).to_numpy(),
+                              "step": keys["step"].to_numpy(dtype=np.int64)})
         self.ranks.update(pd.unique(keys["rank"]).tolist())
-        for key, index in frame.groupby(["name", "kind", "step", "call"], sort=False).indices.items():
+        for (name, kind, step), index in frame.groupby(["name", "kind", "step"], sort=False).indices.items():
+            key = (str(name), str(kind), int(step))
             total = values[index].sum(axis=0)
-            key = (str(key[0]), str(key[1]), int(key[2]), int(key[3]))
             previous = self.sums.get(key)
             self.sums[key] = total if previous is None else previous + total
 
     def passes(self) -> BlockPasses:
         out = BlockPasses(ranks=len(self.ranks), non_finite=self.non_finite, damaged=self.damaged)
-        for (name, kind, step, call), values in sorted(self.sums.items(), key=lambda kv: (kv[0][2], kv[0][3])):
-            out.operands.setdefault((name, kind), []).append((step, call, BlockStatsHost.from_values(values)))
+        for (name, kind, step), values in sorted(self.sums.items(), key=lambda kv: kv[0][2]):
+            out.operands.setdefault((name, kind), []).append((step, -1, BlockStatsHost.from_values(values)))
         return out
 
 

@@ -273,8 +273,8 @@ def no_operands_message(path: str, metadata: Mapping[str, str]) -> str:
 
 # -- a run ---------------------------------------------------------------------------------------------
 
-def _gemm_frame(run: Run, blocks: bool = False) -> pd.DataFrame:
-    return to_frame(run.table(COLUMNS + (["block_stats"] if blocks else []), kinds=GEMM_KINDS))
+def _gemm_frame(run: Run) -> pd.DataFrame:
+    return to_frame(run.table(COLUMNS, kinds=GEMM_KINDS))
 
 
 def fp8_data(run: Run, *, flush_limit: float = DEFAULT_FLUSH_LIMIT) -> dict:

@@ -101,7 +101,9 @@ LAYOUT = (
     ("nonzero", ()),
     ("rows", (2,)),
 )
-BLOCK_VALUES = sum(int(np.prod(shape)) for _, shape in LAYOUT)
+SIZES = {name: int(np.prod(shape)) for name, shape in LAYOUT}
+OFFSETS = {name: sum(SIZES[n] for n, _ in LAYOUT[:i]) for i, (name, _) in enumerate(LAYOUT)}  # where each starts
+BLOCK_VALUES = sum(SIZES.values())
 
 
 def unpack(values) -> dict[str, np.ndarray]:
@@ -110,9 +112,4 @@ def unpack(values) -> dict[str, np.ndarray]:
     flat = np.asarray(values, dtype=np.float64)
     if flat.shape != (BLOCK_VALUES,):
         raise ValueError(f"a block_stats value holds {BLOCK_VALUES} numbers, not {flat.size}")
-    parts, at = {}, 0
-    for name, shape in LAYOUT:
-        size = int(np.prod(shape))
-        parts[name] = flat[at:at + size].reshape(shape)
-        at += size
-    return parts
+    return {name: flat[OFFSETS[name]:OFFSETS[name] + SIZES[name]].reshape(shape) for name, shape in LAYOUT}
